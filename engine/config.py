@@ -1,0 +1,70 @@
+"""EngineConfig: every switch the engine has, in one place, so bench.py and serve.py can flip each
+technique on and off against the dense baseline."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+WEIGHT_FORMATS = ("bf16", "fp8", "nvfp4")
+SPARSE_METHODS = ("magnitude", "wanda")
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' was asked for but torch sees no CUDA GPU")
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype: {dtype} is not supported; use one of bf16, fp16, fp32")
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not supported; use one of bf16, fp16, fp32")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class EngineConfig:
+    model: str = "llama"
+    device: str | None = None             # None: cuda if there is one, else cpu
+    dtype: str | torch.dtype | None = None  # None: bf16 on cuda, fp32 on cpu
+    weights: str = "bf16"                 # linear-layer weight format: bf16 (the model dtype), fp8, nvfp4
+    sparse_ffn: str | None = None         # None, "magnitude" or "wanda": prune FFN weights to 2:4
+    fused_kernels: bool | None = None     # Triton norm/RoPE/SwiGLU/attention kernels; None: on for cuda
+    # KV cache: a token count, or else a fraction of the free device memory (cuda) / a fixed default (cpu)
+    kv_cache_tokens: int | None = None
+    kv_cache_memory_fraction: float = 0.85
+    block_size: int = 16
+    max_model_len: int | None = None      # None: the model's context length, capped at 8192
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192    # per-step token budget (decode tokens + prefill chunks)
+    enable_prefix_caching: bool = True
+    cuda_graphs: bool = True              # capture decode steps in CUDA graphs (cuda only)
+    seed: int = 0                         # seeds random preset weights and unseeded sampling
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights: {self.weights!r} is not one of {', '.join(WEIGHT_FORMATS)}")
+        if self.sparse_ffn is not None and self.sparse_ffn not in SPARSE_METHODS:
+            raise ValueError(f"sparse_ffn: {self.sparse_ffn!r} is not one of {', '.join(SPARSE_METHODS)}")
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ValueError("kv_cache_memory_fraction: must be in (0, 1]")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
+            raise ValueError(f"kv_cache_tokens: must be at least one block ({self.block_size} tokens)")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size: must be a power of two")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs: must be >= 1")
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError("max_num_batched_tokens: must be at least one block")

@@ -1,0 +1,402 @@
+"""Attention over a paged KV cache: KV write, prefill over packed variable-length sequences, decode.
+
+Cache layout (per layer): k_cache, v_cache of shape [num_blocks, block_size, n_kv_heads, head_dim].
+A sequence's token at position p lives in block block_table[p // block_size], row p % block_size;
+its flat slot is block * block_size + row (the slot_mapping of the KV write).
+
+Each function has a plain PyTorch reference (`*_ref`), which is what runs on the CPU; on CUDA
+tensors (or anywhere under TRITON_INTERPRET=1) the public functions run Triton kernels:
+- `write_kv`: one program per token stores its K and V rows at their slots.
+- `decode_attention`: one program per (sequence, KV head, split of the context). The query heads
+  that share a KV head are processed together as the rows of one tile, so each K/V row is read
+  from HBM once per KV head (GQA); long contexts are split across programs to fill the GPU and a
+  second kernel merges the splits' partial softmaxes. fp32 softmax, online (exp2 domain).
+- `prefill_attention`: packed variable-length sequences, one program per (block of queries of one
+  sequence, query head), causal aligned bottom-right: the cached prefix is read from the paged
+  cache through the block table, this step's keys straight from k and v.
+Block tables are int32 [num_seqs, max_blocks]; context lengths int32; block_size a power of two.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.norms import interpreted, triton_enabled
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton: the references run
+    triton = None
+
+
+def _jit(fn):
+    return triton.jit(fn) if triton is not None else fn
+
+
+def write_kv_ref(k, v, k_cache, v_cache, slot_mapping):
+    """k, v: [T, n_kv, hd] -> rows slot_mapping[t] of the flattened caches."""
+    nb, bs, nkv, hd = k_cache.shape
+    k_cache.view(nb * bs, nkv, hd).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(nb * bs, nkv, hd).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _gather_seq(cache, block_table, length):
+    """The first `length` cached rows of one sequence: [length, n_kv, hd]."""
+    bs = cache.shape[1]
+    nblocks = (length + bs - 1) // bs
+    return cache[block_table[:nblocks].long()].flatten(0, 1)[:length]
+
+
+def _attend(q, k, v, scale):
+    """q: [Lq, nh, hd] over k, v: [Lk, nkv, hd], causal aligned at the bottom right (the queries are
+    the last Lq positions of the Lk keys). fp32 math."""
+    lq, nh, _ = q.shape
+    lk, nkv, _ = k.shape
+    group = nh // nkv
+    qf = q.float().transpose(0, 1)                                   # [nh, Lq, hd]
+    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)   # [nh, Lk, hd]
+    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = (qf @ kf.transpose(1, 2)) * scale                       # [nh, Lq, Lk]
+    qpos = torch.arange(lk - lq, lk, device=q.device)[:, None]
+    kpos = torch.arange(lk, device=q.device)[None, :]
+    scores = scores.masked_fill(kpos > qpos, float("-inf"))
+    return (scores.softmax(-1) @ vf).transpose(0, 1).to(q.dtype)     # [Lq, nh, hd]
+
+
+def prefill_attention_ref(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale):
+    """Causal attention for packed sequences. q: [T, nh, hd]; k, v: [T, n_kv, hd] (this step's keys).
+    Sequence i owns rows cu_seqlens_q[i]:cu_seqlens_q[i+1] and sees context_lens[i] keys in all: a
+    cached prefix (read from the paged cache, which already holds this step's keys) plus its own."""
+    out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    ctx = context_lens.tolist()
+    for i in range(len(ctx)):
+        s, e = cu[i], cu[i + 1]
+        if ctx[i] == e - s:      # no prefix: this step's keys are all there is
+            ks, vs = k[s:e], v[s:e]
+        else:
+            ks = _gather_seq(k_cache, block_tables[i], ctx[i])
+            vs = _gather_seq(v_cache, block_tables[i], ctx[i])
+        out[s:e] = _attend(q[s:e], ks, vs, scale)
+    return out
+
+
+def decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """One query per sequence. q: [B, nh, hd]; sequence b sees its first context_lens[b] cached keys."""
+    out = torch.empty_like(q)
+    for b, length in enumerate(context_lens.tolist()):
+        ks = _gather_seq(k_cache, block_tables[b], length)
+        vs = _gather_seq(v_cache, block_tables[b], length)
+        out[b] = _attend(q[b:b + 1], ks, vs, scale)[0]
+    return out
+
+
+def prefill_attention_nested(q_nested, k_nested, v_nested, scale):
+    """The GPU path for prefills with no cached prefix: SDPA (flash) over jagged nested tensors.
+    q_nested: [P, j, nh, hd] (layout=torch.jagged); k/v: [P, j, n_kv, hd]. Returns [P, j, nh, hd]."""
+    group = q_nested.shape[2] // k_nested.shape[2]
+    if group > 1:  # GQA: flash on nested tensors wants equal head counts
+        k_nested = _repeat_heads(k_nested, group)
+        v_nested = _repeat_heads(v_nested, group)
+    o = F.scaled_dot_product_attention(q_nested.transpose(1, 2), k_nested.transpose(1, 2),
+                                       v_nested.transpose(1, 2), is_causal=True, scale=scale)
+    return o.transpose(1, 2)
+
+
+def _repeat_heads(x, group):
+    vals = x.values().repeat_interleave(group, dim=1)
+    return torch.nested.nested_tensor_from_jagged(vals, x.offsets())
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton kernels
+
+
+@_jit
+def _dot(a, b, EXACT_FP32: tl.constexpr):
+    """a @ b, fp32 accumulation. EXACT_FP32: on fp32 copies without tf32, for fp32 inputs and
+    under the interpreter (whose dot multiplies bf16 bit patterns as integers); bf16 products are
+    exact in fp32, so that differs from the tensor cores only in summation order."""
+    if EXACT_FP32:
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        c = tl.dot(a, b)
+    return c
+
+
+@_jit
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                     k_stride_t, k_stride_h, v_stride_t, v_stride_h,
+                     c_stride_block, c_stride_row, c_stride_head, n_kv_heads,
+                     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    heads = tl.arange(0, HEADS)[:, None]
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    mask = heads < n_kv_heads
+    dst = (slot // PAGE) * c_stride_block + (slot % PAGE) * c_stride_row + heads * c_stride_head + d
+    k = tl.load(k_ptr + t * k_stride_t + heads * k_stride_h + d, mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    v = tl.load(v_ptr + t * v_stride_t + heads * v_stride_h + d, mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@_jit
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+                   out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, scale_log2e,
+                   q_stride_b, q_stride_h, c_stride_block, c_stride_row, c_stride_head, bt_stride, n_heads,
+                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, EXACT_FP32: tl.constexpr):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + seq)
+    # this split's keys: a BLOCK_N-aligned share of the context (empty for late splits of short ones)
+    split_len = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(ctx, start + split_len)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + g            # the query heads of this KV head, as tile rows
+    is_head = g < GROUP
+    q = tl.load(q_ptr + seq * q_stride_b + heads[:, None] * q_stride_h + d[None, :],
+                mask=is_head[:, None], other=0.0)
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        valid = n < end                    # every tile holds at least one valid key: m stays finite
+        page = tl.load(block_tables_ptr + seq * bt_stride + n // PAGE, mask=valid, other=0)
+        rows = page.to(tl.int64) * c_stride_block + (n % PAGE) * c_stride_row + kv_head * c_stride_head
+        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        s = _dot(q, tl.trans(k), EXACT_FP32) * scale_log2e
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, EXACT_FP32)
+        m = m_new
+    if NUM_SPLITS == 1:
+        o = acc / l[:, None]
+        tl.store(out_ptr + (seq * n_heads + heads)[:, None] * HEAD_DIM + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=is_head[:, None])
+    else:
+        part = (seq * n_heads + heads) * NUM_SPLITS + split
+        tl.store(part_max_ptr + part, m, mask=is_head)
+        tl.store(part_sum_ptr + part, l, mask=is_head)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc,
+                 mask=(is_head & (l > 0))[:, None])   # an empty split writes no acc
+
+
+@_jit
+def _decode_merge_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
+                         NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Merge one (sequence, head)'s per-split softmax partials: rescale each to the global max."""
+    row = tl.program_id(0).to(tl.int64)    # seq * n_heads + head
+    s = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, HEAD_DIM)
+    m = tl.load(part_max_ptr + row * NUM_SPLITS + s)
+    l = tl.load(part_sum_ptr + row * NUM_SPLITS + s)
+    w = tl.exp2(m - tl.max(m, axis=0))     # empty splits: m = -inf, weight 0
+    acc = tl.load(part_acc_ptr + (row * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :],
+                  mask=(l > 0)[:, None], other=0.0)   # empty splits wrote no acc
+    o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(out_ptr + row * HEAD_DIM + d, o.to(out_ptr.dtype.element_ty))
+
+
+@_jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+                    cu_seqlens_ptr, context_lens_ptr, block_ends_ptr, out_ptr, scale_log2e,
+                    q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
+                    c_stride_block, c_stride_row, c_stride_head, bt_stride, n_seqs, n_heads,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEQS_PAD: tl.constexpr,
+                    EXACT_FP32: tl.constexpr):
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    # the sequence that owns query block `pid`: block_ends is the running count of BLOCK_M blocks
+    i = tl.arange(0, SEQS_PAD)
+    block_ends = tl.load(block_ends_ptr + i, mask=i < n_seqs, other=2**30)
+    seq = tl.sum((block_ends <= pid).to(tl.int32), axis=0)
+    if seq >= n_seqs:                      # the grid is an upper bound on the block count
+        return
+    q_start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
+    q_len = (tl.load(cu_seqlens_ptr + seq + 1) - q_start).to(tl.int32)
+    prefix = tl.load(context_lens_ptr + seq) - q_len
+    first_block = tl.load(block_ends_ptr + seq) - tl.cdiv(q_len, BLOCK_M)
+    rows = (pid - first_block) * BLOCK_M + tl.arange(0, BLOCK_M)   # query index in the chunk
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + (q_start + rows)[:, None] * q_stride_t + head * q_stride_h + d[None, :],
+                mask=(rows < q_len)[:, None], other=0.0)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    # 1. the cached prefix, through the block table: every query sees all of it
+    for n0 in range(0, prefix, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        valid = n < prefix
+        page = tl.load(block_tables_ptr + seq * bt_stride + n // PAGE, mask=valid, other=0)
+        kv_rows = page.to(tl.int64) * c_stride_block + (n % PAGE) * c_stride_row + kv_head * c_stride_head
+        k = tl.load(k_cache_ptr + kv_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        s = _dot(q, tl.trans(k), EXACT_FP32) * scale_log2e
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + kv_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, EXACT_FP32)
+        m = m_new
+
+    # 2. this chunk's own keys, causal: query i sees keys 0..i (key 0 is in the first tile, so every
+    #    row has a finite max from the first tile on)
+    hi = tl.minimum(q_len, (pid - first_block + 1) * BLOCK_M)
+    for n0 in range(0, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        in_chunk = n < q_len
+        k = tl.load(k_ptr + (q_start + n)[:, None] * k_stride_t + kv_head * k_stride_h + d[None, :],
+                    mask=in_chunk[:, None], other=0.0)
+        s = _dot(q, tl.trans(k), EXACT_FP32) * scale_log2e
+        s = tl.where((n[None, :] <= rows[:, None]) & in_chunk[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + (q_start + n)[:, None] * v_stride_t + kv_head * v_stride_h + d[None, :],
+                    mask=in_chunk[:, None], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, EXACT_FP32)
+        m = m_new
+
+    o = acc / l[:, None]
+    tl.store(out_ptr + ((q_start + rows) * n_heads + head)[:, None] * HEAD_DIM + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=(rows < q_len)[:, None])
+
+
+LOG2E = 1.4426950408889634
+DECODE_BLOCK_N = 64       # keys per tile of the decode kernel
+PREFILL_BLOCK_M = 128     # queries per program of the prefill kernel
+PREFILL_BLOCK_N = 64      # keys per tile of the prefill kernel
+
+
+def _check_cache(k_cache, v_cache, head_dim):
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache need one layout with unit stride along head_dim")
+    page = k_cache.shape[1]
+    if page & (page - 1):
+        raise ValueError(f"block_size {page} is not a power of two")
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"head_dim {head_dim}: the attention kernels need a power of two >= 16")
+
+
+def _exact_fp32_dot(dtype):
+    return dtype == torch.float32 or interpreted()
+
+
+def write_kv_triton(k, v, k_cache, v_cache, slot_mapping):
+    t, nkv, hd = k.shape
+    _check_cache(k_cache, v_cache, hd)
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("write_kv needs unit stride along head_dim")
+    if t > 0:
+        _write_kv_kernel[(t,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1),
+                               v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
+                               k_cache.stride(2), nkv, HEADS=triton.next_power_of_2(nkv), HEAD_DIM=hd,
+                               PAGE=k_cache.shape[1], num_warps=4)
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, device) -> int:
+    """Splits of the context per (sequence, KV head): enough programs for ~4 per SM, a power of two
+    up to 64. The split length is decided in the kernel from each sequence's own context length,
+    so the host needs no context lengths (no sync)."""
+    if device.type != "cuda":
+        return 4   # the interpreter: exercise the split-and-merge path
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = -(-4 * sms // max(num_seqs * num_kv_heads, 1))
+    return min(64, 1 << (want.bit_length() - 1))
+
+
+def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None):
+    b, nh, hd = q.shape
+    nkv = k_cache.shape[2]
+    _check_cache(k_cache, v_cache, hd)
+    if q.stride(-1) != 1:
+        raise ValueError("decode_attention needs unit stride along head_dim")
+    group = nh // nkv
+    splits = num_splits or decode_splits(b, nkv, q.device)
+    out = torch.empty((b, nh, hd), device=q.device, dtype=q.dtype)
+    if b == 0:
+        return out
+    if splits > 1:
+        part_acc = torch.empty((b, nh, splits, hd), device=q.device, dtype=torch.float32)
+        part_max = torch.empty((b, nh, splits), device=q.device, dtype=torch.float32)
+        part_sum = torch.empty((b, nh, splits), device=q.device, dtype=torch.float32)
+    else:
+        part_acc = part_max = part_sum = out   # unused: the kernel writes out directly
+    _decode_kernel[(b, nkv, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_max, part_sum,
+        scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), nh, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=hd, PAGE=k_cache.shape[1], BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=splits,
+        EXACT_FP32=_exact_fp32_dot(q.dtype), num_warps=4, num_stages=3)
+    if splits > 1:
+        _decode_merge_kernel[(b * nh,)](part_acc, part_max, part_sum, out, NUM_SPLITS=splits,
+                                        HEAD_DIM=hd, num_warps=4)
+    return out
+
+
+def prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale):
+    t, nh, hd = q.shape
+    nkv = k.shape[1]
+    n_seqs = context_lens.shape[0]
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("prefill_attention needs unit stride along head_dim")
+    if k_cache is None:   # no cache (embeddings): no sequence may have a prefix
+        k_cache = v_cache = k.view(t, 1, nkv, hd)
+        block_tables = context_lens.view(n_seqs, 1)
+    _check_cache(k_cache, v_cache, hd)
+    out = torch.empty((t, nh, hd), device=q.device, dtype=q.dtype)
+    if t == 0:
+        return out
+    # query blocks never straddle sequences; block_ends[i] = query blocks of sequences 0..i, counted
+    # on the device (no sync); the grid is the upper bound cdiv(T, BLOCK_M) + n_seqs
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    block_ends = torch.cumsum((q_lens + PREFILL_BLOCK_M - 1) // PREFILL_BLOCK_M, 0).to(torch.int32)
+    grid = (triton.cdiv(t, PREFILL_BLOCK_M) + n_seqs, nh)
+    _prefill_kernel[grid](
+        q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, block_ends, out,
+        scale * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), n_seqs, nh,
+        GROUP=nh // nkv, HEAD_DIM=hd, PAGE=k_cache.shape[1], BLOCK_M=PREFILL_BLOCK_M,
+        BLOCK_N=PREFILL_BLOCK_N, SEQS_PAD=triton.next_power_of_2(n_seqs),
+        EXACT_FP32=_exact_fp32_dot(q.dtype), num_warps=8 if hd > 64 else 4, num_stages=2)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# What the model calls: the Triton kernels where they apply, the references elsewhere.
+
+
+def write_kv(k, v, k_cache, v_cache, slot_mapping):
+    if triton_enabled(k):
+        return write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    return write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
+    if triton_enabled(q):
+        return decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def prefill_attention(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale):
+    if triton_enabled(q):
+        return prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables,
+                                        k_cache, v_cache, scale)
+    return prefill_attention_ref(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale)

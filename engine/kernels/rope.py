@@ -1,0 +1,114 @@
+"""Rotary position embedding (HF Llama's rotate-half convention), Llama-3 frequency scaling included.
+
+The reference builds cos/sin from the inverse frequencies; the fused kernel recomputes the angles
+from the positions in registers, so no cos/sin table is stored or read. It rotates q and k in place
+(they may be strided views of the fused qkv GEMM output) in one launch, one program per token.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.kernels.norms import triton_enabled
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton: the reference runs
+    triton = None
+
+
+def _jit(fn):
+    return triton.jit(fn) if triton is not None else fn
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    """fp32 [head_dim // 2] inverse frequencies, with Llama-3 scaling when `scaling` says so."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
+        factor = scaling["factor"]
+        lo, hi = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / lo, old_len / hi
+        wavelen = 2 * math.pi / inv
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        inv = torch.where(is_mid, mid, scaled)
+    elif scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+        raise ValueError(f"rope_scaling type {scaling.get('rope_type', scaling.get('type'))!r} "
+                         "is not supported (default and llama3 are)")
+    return inv.float()
+
+
+def apply_rope_ref(q, k, positions, inv_freq):
+    """q: [T, nh, hd], k: [T, nkv, hd], positions: [T]. Returns rotated (q, k) in their dtypes."""
+    angles = positions.float()[:, None] * inv_freq.to(q.device)[None, :]   # [T, hd/2]
+    cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None, :]
+    sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None, :]
+
+    def rot(x):
+        xf = x.float()
+        x1, x2 = xf.chunk(2, dim=-1)
+        return (xf * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+
+    return rot(q), rot(k)
+
+
+@_jit
+def _rotate_heads(base_ptr, stride_head, n_heads, cos, sin, half,
+                  HEADS: tl.constexpr, HALF: tl.constexpr):
+    """Rotate the [n_heads, 2 * half] head block at base_ptr in place (rotate-half convention)."""
+    heads = tl.arange(0, HEADS)[:, None]
+    d = tl.arange(0, HALF)[None, :]
+    ptr = base_ptr + heads * stride_head + d
+    mask = (heads < n_heads) & (d < half)
+    x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptr + half, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ptr, (x1 * cos - x2 * sin).to(base_ptr.dtype.element_ty), mask=mask)
+    tl.store(ptr + half, (x2 * cos + x1 * sin).to(base_ptr.dtype.element_ty), mask=mask)
+
+
+@_jit
+def _rope_kernel(q_ptr, k_ptr, pos_ptr, inv_freq_ptr,
+                 q_stride_t, q_stride_h, k_stride_t, k_stride_h, n_q_heads, n_k_heads, half,
+                 Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr, HALF: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, HALF)
+    # the angle is pos * inv_freq rounded to fp32, exactly as the reference forms it; then reduced
+    # to [-pi, pi] so the hardware sin/cos see the range where they are accurate
+    angle = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + d, mask=d < half, other=0.0)
+    # minus the nearest multiple of 2*pi, with 2*pi split in three parts (Cody-Waite): the first has
+    # 8 significant bits, so turns * 6.28125 is exact for the < 2^16 turns that positions up to
+    # ~400k reach, and fma keeps the reduced angle within ~1e-6 of the exact fp32 one
+    turns = tl.floor(angle * 0.15915494309189535 + 0.5)
+    reduced = tl.fma(-turns, 6.28125, angle)
+    reduced = tl.fma(-turns, 0.0019353071693331003, reduced)
+    reduced = tl.fma(-turns, 1.0253131677018246e-11, reduced)
+    cos = tl.cos(reduced)[None, :]
+    sin = tl.sin(reduced)[None, :]
+    _rotate_heads(q_ptr + t * q_stride_t, q_stride_h, n_q_heads, cos, sin, half, Q_HEADS, HALF)
+    _rotate_heads(k_ptr + t * k_stride_t, k_stride_h, n_k_heads, cos, sin, half, K_HEADS, HALF)
+
+
+def apply_rope_triton(q, k, positions, inv_freq):
+    """Rotates q [T, nh, hd] and k [T, nkv, hd] in place (any token/head strides, unit stride along
+    hd) and returns them."""
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("apply_rope needs unit stride along head_dim")
+    t, nh, hd = q.shape
+    nkv = k.shape[1]
+    if t > 0:
+        _rope_kernel[(t,)](q, k, positions, inv_freq.to(q.device),
+                           q.stride(0), q.stride(1), k.stride(0), k.stride(1), nh, nkv, hd // 2,
+                           Q_HEADS=triton.next_power_of_2(nh), K_HEADS=triton.next_power_of_2(nkv),
+                           HALF=triton.next_power_of_2(hd // 2), num_warps=4)
+    return q, k
+
+
+def apply_rope(q, k, positions, inv_freq):
+    if triton_enabled(q):
+        return apply_rope_triton(q, k, positions, inv_freq)
+    return apply_rope_ref(q, k, positions, inv_freq)

@@ -1,0 +1,1 @@
+"""Device memory the engine manages itself: the paged KV cache and its block pool."""

@@ -1,0 +1,44 @@
+"""Quality next to speed: a fixed evaluation text every machine already has, and perplexity on it.
+
+The text is the docstrings of a fixed list of standard-library modules, read at run time (nothing is
+copied into the repository). It is the same on every machine with the same Python minor version.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+
+EVAL_MODULES = ("json", "textwrap", "fractions", "heapq", "bisect", "shlex", "difflib", "string",
+                "calendar", "functools", "contextlib", "dataclasses", "argparse", "collections")
+
+
+def eval_text() -> str:
+    parts = []
+    for name in EVAL_MODULES:
+        mod = importlib.import_module(name)
+        if mod.__doc__:
+            parts.append(mod.__doc__.strip())
+        for attr in sorted(dir(mod)):
+            obj = getattr(mod, attr, None)
+            doc = getattr(obj, "__doc__", None)
+            if attr.startswith("_") or not isinstance(doc, str) or getattr(obj, "__module__", None) != name:
+                continue
+            parts.append(doc.strip())
+    return "\n\n".join(parts)
+
+
+def eval_token_windows(tokenizer, window: int = 512, count: int = 8) -> list[list[int]]:
+    ids = tokenizer.encode(eval_text(), add_special_tokens=False)
+    return [ids[i * window:(i + 1) * window] for i in range(min(count, len(ids) // window))]
+
+
+def perplexity(llm, window: int = 512, count: int = 8) -> float:
+    """exp(mean next-token NLL) of the model over `count` windows of the evaluation text."""
+    import torch
+    nll, n = 0.0, 0
+    for ids in eval_token_windows(llm.tokenizer, window, count):
+        logits = llm.logits(ids)
+        lp = torch.log_softmax(logits[:-1].double(), -1)
+        nll -= lp.gather(1, torch.tensor(ids[1:])[:, None]).sum().item()
+        n += len(ids) - 1
+    return math.exp(nll / n)

@@ -1,0 +1,139 @@
+"""Sampling parameters and the batched sampler: greedy, temperature, top-k, top-p, penalties, seeds.
+
+Everything runs on the logits' device in one pass over the batch. Randomness uses the exponential
+race (argmax of p / E, E ~ Exp(1)), which samples exactly from p; a request with a seed draws its E
+from its own generator, so its tokens do not depend on what else is in the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int | None = None          # None: up to the context limit
+    temperature: float = 1.0               # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0                         # 0: off
+    seed: int | None = None
+    stop: str | list[str] | None = None    # stop strings; the text is cut before them
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None            # None: none; n >= 0: the chosen token's and the top n
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    detokenize: bool = True                # False: token ids only (benchmarks)
+    stop_list: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        def bad(name, why):
+            raise ValueError(f"{name}: {why} (got {getattr(self, name)!r})")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad("max_tokens", "must be a positive integer")
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100:
+            bad("temperature", "must be >= 0")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", "must be an integer >= 0 (0 disables it)")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", "must be an integer")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            bad("logprobs", "must be an integer in [0, 20]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not isinstance(getattr(self, name), (int, float)) or not -2 <= getattr(self, name) <= 2:
+                bad(name, "must be in [-2, 2]")
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if not all(isinstance(s, str) and s for s in stops):
+            bad("stop", "must be a non-empty string or a list of them")
+        self.stop_list = stops
+        if self.stop_token_ids is not None and not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of non-negative token ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0):
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None], histories: list[list[int]]):
+        """logits: [B, V] fp32, one row per request. Returns (token ids as a list, logprobs or None
+        per row). `histories` are the output tokens so far (for the penalties)."""
+        logits = self._apply_penalties(logits, params, histories)
+        if all(p.greedy for p in params):
+            tokens = logits.argmax(-1)
+        else:
+            tokens = self._sample(logits, params, generators)
+        return tokens.tolist(), self._logprobs(logits, tokens, params)
+
+    def _apply_penalties(self, logits, params, histories):
+        rows = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty) and histories[i]]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:
+            ids = torch.tensor(histories[i], device=logits.device)
+            counts = torch.bincount(ids, minlength=logits.shape[1]).float()
+            logits[i] -= params[i].frequency_penalty * counts + params[i].presence_penalty * (counts > 0).float()
+        return logits
+
+    def _sample(self, logits, params, generators):
+        dev = logits.device
+        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=dev)
+        probs = (logits / temps[:, None]).softmax(-1)
+        top_k = torch.tensor([p.top_k for p in params], device=dev)
+        top_p = torch.tensor([p.top_p for p in params], device=dev)
+        if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+            probs = _top_k_top_p(probs, top_k, top_p)
+        noise = torch.empty_like(probs)
+        shared = [i for i, g in enumerate(generators) if g is None]
+        if shared:
+            noise[shared] = torch.empty(len(shared), probs.shape[1], device=dev).exponential_(
+                generator=self.generator)
+        for i, g in enumerate(generators):
+            if g is not None:
+                noise[i].exponential_(generator=g)
+        sampled = (probs / noise).argmax(-1)
+        greedy = torch.tensor([p.greedy for p in params], device=dev)
+        return torch.where(greedy, logits.argmax(-1), sampled)
+
+    @staticmethod
+    def _logprobs(logits, tokens, params):
+        wanted = [p.logprobs for p in params]
+        if all(w is None for w in wanted):
+            return [None] * len(params)
+        lp = logits.log_softmax(-1)
+        k = max(w or 0 for w in wanted)
+        chosen = lp.gather(1, tokens[:, None])[:, 0].tolist()
+        top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+        top_v, top_i, toks = top_v.tolist(), top_i.tolist(), tokens.tolist()
+        return [None if w is None else
+                TokenLogprob(toks[r], chosen[r], list(zip(top_i[r][:w], top_v[r][:w])))
+                for r, w in enumerate(wanted)]
+
+
+def _top_k_top_p(probs, top_k, top_p):
+    """Zero out what top-k (per row, 0 = off) and top-p (nucleus) exclude; rows stay unnormalised,
+    which the exponential race does not mind."""
+    sorted_p, order = probs.sort(-1, descending=True)
+    rank = torch.arange(probs.shape[1], device=probs.device)[None, :]
+    k = torch.where(top_k > 0, top_k, probs.shape[1])[:, None]
+    # Keep a token if it is within the top k and the mass before it is below top_p.
+    before = sorted_p.cumsum(-1) - sorted_p
+    keep = (rank < k) & (before < top_p[:, None])
+    keep[:, 0] = True
+    return torch.zeros_like(probs).scatter_(1, order, sorted_p * keep)

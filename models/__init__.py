@@ -1,0 +1,1 @@
+"""Model definitions and loaders: the Llama architecture, GGUF / HF-directory / preset loading."""

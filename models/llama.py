@@ -1,0 +1,151 @@
+"""The Llama architecture, one definition for every weight format and device.
+
+Runs on packed tokens: a step's sequences are concatenated into one [T, hidden] matrix, so the linear
+layers see no padding. Attention reads the step's layout (which rows are prefill chunks, which are
+decodes, where each sequence's KV blocks are) from the `Batch` built by engine/batch.py. Linear
+layers go through engine.linear (a backend per weight format); the memory-bound ops go through
+engine.kernels, which pick the fused kernel or the PyTorch reference.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.kernels import attention as attn_ops
+from engine.kernels.norms import rms_norm
+from engine.kernels.rope import apply_rope, rope_inv_freq
+from engine.kernels.swiglu import swiglu
+from engine.linear import Linear
+from models.presets import LlamaConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size, eps, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, device=device, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x, residual=None):
+        return rms_norm(x, self.weight, self.eps, residual)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer_idx: int, device=None, dtype=None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        # q, k and v in one GEMM: the activation is read once.
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, device, dtype)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, device, dtype)
+
+    def forward(self, x, positions, batch, inv_freq):
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, k, positions, inv_freq)
+        o = attend(q, k, v, batch, self.layer_idx, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+def attend(q, k, v, batch, layer_idx, scale):
+    """Write this step's K/V into the paged cache, then attend: prefill rows first, decode rows after."""
+    cache = batch.kv_cache
+    k_cache = v_cache = None
+    if cache is not None:
+        k_cache, v_cache = cache.layer(layer_idx)
+        attn_ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+    p = batch.num_prefill_tokens
+    if batch.num_decodes == 0:
+        return _prefill(q, k, v, batch, k_cache, v_cache, scale)
+    out = torch.empty_like(q)
+    if p:
+        out[:p] = _prefill(q[:p], k[:p], v[:p], batch, k_cache, v_cache, scale)
+    out[p:] = attn_ops.decode_attention(q[p:], k_cache, v_cache, batch.decode_block_tables,
+                                        batch.decode_context_lens, scale)
+    return out
+
+
+def _prefill(q, k, v, batch, k_cache, v_cache, scale):
+    if q.is_cuda and not batch.prefill_has_prefix:
+        # Variable-length prompts as jagged nested tensors: flash SDPA, no padding anywhere.
+        offsets = batch.prefill_offsets
+        nt = lambda x: torch.nested.nested_tensor_from_jagged(x, offsets)  # noqa: E731
+        return attn_ops.prefill_attention_nested(nt(q), nt(k), nt(v), scale).values()
+    return attn_ops.prefill_attention(q, k, v, batch.prefill_offsets, batch.prefill_context_lens,
+                                      batch.prefill_block_tables, k_cache, v_cache, scale)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig, device=None, dtype=None):
+        super().__init__()
+        # gate and up in one GEMM (rows [0, F) are gate, [F, 2F) up): the activation is read once.
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, device, dtype)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, device, dtype)
+
+    def forward(self, x):
+        return self.down_proj(swiglu(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer_idx: int, device=None, dtype=None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        self.self_attn = LlamaAttention(cfg, layer_idx, device, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        self.mlp = LlamaMLP(cfg, device, dtype)
+
+    def forward(self, x, residual, positions, batch, inv_freq):
+        # The residual add is fused into the norm that follows it.
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, batch, inv_freq)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: LlamaConfig, device=None, dtype=None):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, device, dtype) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        # The LM head stays in the model dtype whatever the weight format: it is 1 GEMM of ~100.
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, device, dtype)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+                             .to(device), persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids, positions, batch):
+        """input_ids, positions: [T] packed tokens. Returns the final-norm hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions, batch, self.inv_freq)
+        x, _ = self.norm(x, residual)
+        return x
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden):
+        w = self.embed_tokens.weight if self.lm_head is None else None
+        logits = hidden @ w.t() if w is not None else self.lm_head(hidden)
+        return logits.float()
+
+    def linear_layers(self, ffn_only=False):
+        """(name, Linear) of the decoder layers' GEMMs: what a weight format converts."""
+        for i, layer in enumerate(self.layers):
+            if not ffn_only:
+                yield f"layers.{i}.self_attn.qkv_proj", layer.self_attn.qkv_proj
+                yield f"layers.{i}.self_attn.o_proj", layer.self_attn.o_proj
+            yield f"layers.{i}.mlp.gate_up_proj", layer.mlp.gate_up_proj
+            yield f"layers.{i}.mlp.down_proj", layer.mlp.down_proj

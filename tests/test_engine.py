@@ -1,0 +1,124 @@
+"""Continuous batching over the paged KV cache: batched == alone, preemption, prefix cache, aborts."""
+import random
+
+import pytest
+import torch
+
+from engine import LLM, ContextLengthError, SamplingParams
+from engine.quality import eval_text
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def _prompts(tokenizer, lengths, seed=0):
+    ids = tokenizer.encode(eval_text(), add_special_tokens=False)
+    rng = random.Random(seed)
+    out = []
+    for n in lengths:
+        start = rng.randrange(0, len(ids) - n)
+        out.append(ids[start:start + n])
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts16(llm):
+    return _prompts(llm.tokenizer, [1, 2, 7, 15, 16, 17, 31, 33, 64, 100, 128, 150, 199, 250, 299, 300])
+
+
+@pytest.fixture(scope="module")
+def alone(llm, prompts16):
+    return [llm.generate([p], GREEDY)[0].token_ids for p in prompts16]
+
+
+def test_batched_equals_alone(llm, prompts16, alone):
+    together = llm.generate(prompts16, GREEDY)
+    assert [o.token_ids for o in together] == alone
+    m = llm.metrics()
+    assert m["kv_blocks_used"] == 0 and m["running"] == 0 and m["waiting"] == 0
+
+
+def test_small_pool_preempts_and_recomputes(prompts16, alone):
+    # 48 blocks x 16 = 768 tokens for ~2,100 tokens of prompts plus outputs: preemption is certain.
+    # A small step budget also chunks the long prompts.
+    small = LLM("llama", device="cpu", dtype="fp32", kv_cache_tokens=768, max_num_batched_tokens=128)
+    try:
+        outs = small.generate(prompts16, GREEDY)
+        assert [o.token_ids for o in outs] == alone
+        m = small.metrics()
+        assert m["preemptions"] > 0
+        assert m["kv_blocks_free"] == m["kv_blocks_total"] and m["kv_blocks_used"] == 0
+        # A request that could never fit the pool is refused at once, not queued forever.
+        with pytest.raises(ContextLengthError, match="KV blocks"):
+            small.generate([list(range(100, 700))], SamplingParams(max_tokens=400))
+    finally:
+        small.shutdown(timeout=1)
+
+
+def test_prefix_cache_reuses_blocks(llm):
+    base = _prompts(llm.tokenizer, [40], seed=3)[0]            # 2 full blocks + 8 tokens
+    second = base[:32] + _prompts(llm.tokenizer, [9], seed=4)[0]
+    before = llm.metrics()
+    llm.generate([base], GREEDY)
+    out = llm.generate([second], GREEDY)[0]
+    after = llm.metrics()
+    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] >= 2
+    nocache = LLM("llama", device="cpu", dtype="fp32", enable_prefix_caching=False)
+    try:
+        assert nocache.generate([second], GREEDY)[0].token_ids == out.token_ids
+        assert nocache.metrics()["prefix_cache_hits"] == 0
+    finally:
+        nocache.shutdown(timeout=1)
+
+
+def test_abort_frees_blocks(llm):
+    stream = llm.stream(list(range(200, 300)), SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
+    it = iter(stream)
+    for _ in range(3):
+        next(it)
+    assert llm.metrics()["kv_blocks_used"] > 0
+    stream.abort()
+    rest = list(it)
+    assert rest[-1].finish_reason == "abort"
+    m = llm.metrics()
+    assert m["kv_blocks_used"] == 0 and m["running"] == 0
+
+
+def test_context_limit_is_named(llm):
+    with pytest.raises(ContextLengthError, match=f"max_model_len.*{llm.max_model_len}"):
+        llm.generate([[7] * llm.max_model_len], SamplingParams(max_tokens=1))
+    with pytest.raises(ContextLengthError, match="max_tokens"):
+        llm.generate([[7] * 10], SamplingParams(max_tokens=llm.max_model_len))
+
+
+def test_block_pool_refcounts_and_eviction():
+    from engine.memory.kv_cache import BlockPool, block_hash
+    pool = BlockPool(4, 16)
+    a, b = pool.allocate(), pool.allocate()
+    toks = tuple(range(16))
+    h = block_hash(None, toks)
+    pool.publish(a, h, toks)
+    assert pool.lookup(h, toks) == a and pool.ref_count[a] == 2
+    assert pool.lookup(h, tuple(range(1, 17))) is None          # verified against the tokens
+    pool.release(a)
+    pool.release(a)
+    assert pool.num_free == 3                                     # cached but free
+    assert pool.lookup(h, toks) == a and pool.num_free == 2       # revived from the free list
+    pool.release(a)
+    pool.release(b)
+    for _ in range(4):
+        pool.allocate()                                           # the pool reclaims cached blocks
+    assert pool.lookup(h, toks) is None
+
+
+@pytest.mark.gpu
+def test_batched_equals_alone_gpu():
+    """The same on the GPU path (fp32 so batch shape cannot flip a greedy tie)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gpu = LLM("llama-tiny", device="cuda", dtype="fp32")
+    try:
+        prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate([1, 5, 16, 17, 40, 129, 300, 77])]
+        p = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        alone = [gpu.generate([q], p)[0].token_ids for q in prompts]
+        assert [o.token_ids for o in gpu.generate(prompts, p)] == alone
+    finally:
+        gpu.shutdown(timeout=1)

@@ -1,0 +1,112 @@
+"""The Llama runtime against transformers: logits and greedy generation on real and random weights."""
+import json
+import os
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a land far away,"]
+CHATS = [[{"role": "user", "content": "What is the capital of Germany?"}],
+         [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colors."}],
+         [{"role": "user", "content": "Write a haiku about the sea."}]]
+
+
+def test_logits_match_transformers_on_embedded_gguf(llm, hf_smollm2):
+    for prompt in PROMPTS:
+        ids = llm.encode_prompt(prompt)
+        ours = llm.logits(ids)
+        with torch.no_grad():
+            ref = hf_smollm2(torch.tensor([ids])).logits[0].float()
+        assert ours.shape == ref.shape
+        assert (ours - ref).abs().max().item() < 1e-3, prompt
+
+
+def test_greedy_chat_matches_transformers_generate(llm, hf_smollm2):
+    for messages in CHATS:
+        ids = llm.encode_chat(messages)
+        ours = llm.generate([ids], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))[0]
+        with torch.no_grad():
+            ref = hf_smollm2.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        assert ours.token_ids == ref, messages
+
+
+def _tiny_hf_llama(tmp_path, tie):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from models.loader import embedded_tokenizer
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=96, intermediate_size=200, num_hidden_layers=3,
+                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
+                      rope_theta=50000.0, tie_word_embeddings=tie,
+                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # default init leaves norms at 1 and is tiny: make the test sharper
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(tmp_path, max_shard_size="2MB")  # several shards
+    embedded_tokenizer().save_pretrained(tmp_path)
+    return model
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_hf_directory_logits_match(tmp_path, tie):
+    ref_model = _tiny_hf_llama(tmp_path, tie)
+    assert len([f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]) > 1
+    llm = LLM(str(tmp_path), device="cpu", dtype="fp32")
+    try:
+        ids = list(range(5, 300, 7))
+        with torch.no_grad():
+            ref = ref_model(torch.tensor([ids])).logits[0]
+        ours = llm.logits(ids)
+        assert (ours - ref).abs().max().item() < 1e-3
+        # Greedy decoding through the paged cache agrees with transformers too.
+        out = llm.generate([ids[:20]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+        with torch.no_grad():
+            hf = ref_model.generate(torch.tensor([ids[:20]]), max_new_tokens=12, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)[0, 20:].tolist()
+        assert out.token_ids == hf
+    finally:
+        llm.shutdown(timeout=1)
+
+
+def test_loader_errors(tmp_path):
+    from models.loader import ModelLoadError, load_model
+    cpu = torch.device("cpu")
+    with pytest.raises(ModelLoadError, match="llama-3.1-8b"):        # unknown name lists the presets
+        load_model("gpt-5", cpu, torch.float32)
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(str(tmp_path / "nowhere"), cpu, torch.float32)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"],
+                                                      "model_type": "mistral"}))
+    with pytest.raises(ModelLoadError, match="MistralForCausalLM"):
+        load_model(str(tmp_path), cpu, torch.float32)
+
+
+def test_truncated_files_are_refused(tmp_path):
+    from models.loader import ModelLoadError, embedded_gguf_path, load_model
+    cpu = torch.device("cpu")
+    src = embedded_gguf_path()
+    bad = tmp_path / "cut.gguf"
+    with open(src, "rb") as f:
+        bad.write_bytes(f.read(3_000_000))
+    with pytest.raises(ModelLoadError, match="corrupt or truncated|missing"):
+        load_model(str(bad), cpu, torch.float32)
+    # A truncated safetensors shard in an otherwise valid directory.
+    d = tmp_path / "hf"
+    _tiny_hf_llama(d, tie=False)
+    shard = sorted(p for p in d.iterdir() if p.suffix == ".safetensors")[0]
+    shard.write_bytes(shard.read_bytes()[:1000])
+    with pytest.raises(ModelLoadError, match="corrupt or truncated"):
+        load_model(str(d), cpu, torch.float32)
+
+
+def test_presets_build_with_random_weights():
+    from models.loader import load_model
+    loaded = load_model("llama-tiny", torch.device("cpu"), torch.bfloat16, seed=1)
+    w = loaded.model.layers[0].mlp.gate_up_proj.weight
+    assert w.dtype == torch.bfloat16 and w.shape == (2 * 704, 256)
+    assert 0.015 < w.float().std().item() < 0.025
