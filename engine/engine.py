@@ -13,10 +13,12 @@ import torch
 
 from engine.batch import build_batch, build_prefill_only
 from engine.config import EngineConfig, resolve_device, resolve_dtype
+from engine.linear import convert_model, input_channel_norms
 from engine.memory.kv_cache import KVCache
+from engine.quality import calibration_windows
 from engine.sampling import Sampler, SamplingParams, TokenLogprob
 from engine.scheduler import Scheduler, Sequence
-from models.loader import load_model
+import models.loader  # module import: models.llama imports engine.kernels, so this cycles
 
 CPU_KV_TOKENS = 16384          # the CPU has no "free device memory" to size from
 
@@ -101,9 +103,16 @@ class Engine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        loaded = load_model(config.model, self.device, self.dtype, seed=config.seed)
+        loaded = models.loader.load_model(config.model, self.device, self.dtype, seed=config.seed,
+                                          tokenizer=config.tokenizer)
         self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
         self.model_config = cfg = self.model.config
+        if config.weights != "bf16" or config.sparse_ffn:
+            norms = None
+            if config.sparse_ffn == "wanda":
+                windows = calibration_windows(self.tokenizer)
+                norms = input_channel_norms(self.model, lambda: self.hidden_states(windows, check=False))
+            convert_model(self.model, config.weights, config.sparse_ffn, norms)
         self.eos_ids = set(cfg.eos_token_ids)
         self.max_model_len = min(config.max_model_len or min(cfg.max_position_embeddings, 8192),
                                  cfg.max_position_embeddings)
@@ -112,6 +121,9 @@ class Engine:
         self.scheduler = Scheduler(self.kv_cache.pool, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.enable_prefix_caching)
         self.sampler = Sampler(self.device, config.seed)
+        self.graphs = None
+        if self.device.type == "cuda" and config.cuda_graphs:
+            self._capture_graphs()
         self.requests: dict[str, Request] = {}
         self.stats = {"steps": 0, "step_tokens": 0, "finished": 0, "aborted": 0}
         self.ttft, self.itl = LatencySummary(), LatencySummary()
@@ -136,6 +148,17 @@ class Engine:
             raise ValueError("KV cache: no room for even one block; lower the model size or "
                              "raise kv_cache_memory_fraction / kv_cache_tokens")
         return blocks
+
+    def _capture_graphs(self) -> None:
+        from engine.cuda_graphs import DecodeGraphs
+        from engine.kernels.norms import triton_enabled
+        probe = self.model.embed_tokens.weight
+        if not triton_enabled(probe):
+            return      # the reference attention syncs with the host: nothing to capture
+        max_blocks = -(-self.max_model_len // self.config.block_size)
+        self.graphs = DecodeGraphs(self.model, self.kv_cache, min(self.config.max_num_seqs, 512),
+                                   max_blocks, self.kv_cache.scratch_block)
+        self.graphs.capture()
 
     # ---------------------------------------------------------------- requests
 
@@ -174,10 +197,13 @@ class Engine:
         if not scheduled:
             return 0
         batch = build_batch(scheduled, self.kv_cache, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, batch)
+        if self.graphs is not None and batch.num_prefills == 0 and batch.num_decodes <= self.graphs.max_batch:
+            logits = self.graphs.run(batch)      # every decode row samples, in order
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, batch)
+            logits = self.model.compute_logits(hidden[batch.logits_indices]) if batch.sampled else None
         token_ids, logprobs = [], []
         if batch.sampled:
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
             reqs = [self.requests[s.seq.request_id] for s in batch.sampled]
             token_ids, logprobs = self.sampler(logits, [r.seq.params for r in reqs],
                                                [r.generator for r in reqs],
@@ -223,9 +249,9 @@ class Engine:
 
     # ---------------------------------------------------------------- whole-sequence passes
 
-    def hidden_states(self, token_lists: list[list[int]]) -> list[torch.Tensor]:
+    def hidden_states(self, token_lists: list[list[int]], check: bool = True) -> list[torch.Tensor]:
         """Final-norm hidden states of whole sequences (no KV kept), one [len, hidden] per sequence."""
-        for toks in token_lists:
+        for toks in token_lists if check else ():
             if not toks or len(toks) > self.max_model_len:
                 raise ValueError(f"input: each sequence needs 1..{self.max_model_len} tokens "
                                  f"(got {len(toks)})")

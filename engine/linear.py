@@ -7,6 +7,8 @@ dense copy, so the peak is one layer's dense weight, not the model's.
 """
 from __future__ import annotations
 
+import importlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,11 +49,29 @@ class DenseWeight(LinearBackend):
         return self.weight.numel() * self.weight.element_size()
 
 
-BACKENDS: dict[str, type] = {"bf16": DenseWeight}
+# Formats other than dense live beside their kernels and are imported on first use, so importing the
+# engine needs neither Triton nor CuTe DSL.
+BACKENDS: dict[str, type | str] = {
+    "bf16": DenseWeight,
+    "fp8": "engine.kernels.fp8:Fp8Weight",
+    "nvfp4": "engine.kernels.nvfp4:Nvfp4Weight",
+    "2:4": "engine.kernels.sparse24:Sparse24Weight",
+    "2:4+fp8": "engine.kernels.sparse24:Sparse24Fp8Weight",
+}
 
 
 def register_backend(name: str, cls: type) -> None:
     BACKENDS[name] = cls
+
+
+def backend_class(fmt: str) -> type:
+    if fmt not in BACKENDS:
+        raise ValueError(f"weight format {fmt!r} is not one of {', '.join(BACKENDS)}")
+    cls = BACKENDS[fmt]
+    if isinstance(cls, str):
+        module, name = cls.split(":")
+        cls = BACKENDS[fmt] = getattr(importlib.import_module(module), name)
+    return cls
 
 
 class Linear(nn.Module):
@@ -71,15 +91,53 @@ class Linear(nn.Module):
 
     def convert(self, fmt: str, **kwargs) -> None:
         """Replace the dense weight by backend `fmt` built from it (kwargs go to its from_dense)."""
-        if fmt not in BACKENDS:
-            raise ValueError(f"weight format {fmt!r} is not one of {', '.join(BACKENDS)}")
-        if fmt == "bf16":
+        cls = backend_class(fmt)
+        if cls is DenseWeight:
             return
         dense = self.backend.dequantize()
-        self.backend = BACKENDS[fmt].from_dense(dense, **kwargs)
+        self.backend = cls.from_dense(dense, **kwargs)
         # The dense copy is no longer needed: keep a 0-element placeholder so state_dict stays valid.
         self.weight = nn.Parameter(torch.empty(0, device=dense.device, dtype=dense.dtype),
                                    requires_grad=False)
 
     def extra_repr(self):
         return f"in={self.in_features}, out={self.out_features}, format={self.backend.name}"
+
+
+def convert_model(model, weights: str = "bf16", sparse_ffn: str | None = None,
+                  input_norms: dict[str, torch.Tensor] | None = None) -> None:
+    """Put every decoder GEMM in its configured format. With `sparse_ffn` the FFN GEMMs are pruned
+    to 2:4 along K: by |W| ("magnitude") or by |W| x the L2 norm of each input channel's activations
+    ("wanda", which needs `input_norms` from `input_channel_norms`)."""
+    if sparse_ffn and weights == "nvfp4":
+        raise ValueError("sparse_ffn: 2:4 sparsity combines with bf16 or fp8 weights, not nvfp4")
+    if sparse_ffn == "wanda" and input_norms is None:
+        raise ValueError("sparse_ffn: wanda pruning needs calibration activation norms")
+    for name, lin in model.linear_layers():
+        if sparse_ffn and ".mlp." in name:
+            score = None
+            if sparse_ffn == "wanda":
+                w = lin.backend.dequantize().float()
+                score = w.abs() * input_norms[name].to(w.device)[None, :]
+            lin.convert("2:4+fp8" if weights == "fp8" else "2:4", score=score)
+        elif weights != "bf16":
+            lin.convert(weights)
+
+
+@torch.inference_mode()
+def input_channel_norms(model, run_forward, ffn_only: bool = True) -> dict[str, torch.Tensor]:
+    """L2 norm over calibration tokens of each input channel of each (FFN) GEMM. `run_forward()`
+    pushes the calibration text through the model."""
+    sums: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name, lin in model.linear_layers(ffn_only=ffn_only):
+        def hook(module, args, name=name):
+            x = args[0].reshape(-1, args[0].shape[-1]).float()
+            sums[name] = sums.get(name, 0) + x.pow(2).sum(0)
+        hooks.append(lin.register_forward_pre_hook(hook))
+    try:
+        run_forward()
+    finally:
+        for h in hooks:
+            h.remove()
+    return {k: v.sqrt() for k, v in sums.items()}

@@ -6,9 +6,11 @@ asyncio loop) hand it requests through a queue and get tokens back through their
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import queue
 import threading
+import weakref
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -115,6 +117,16 @@ class LLM:
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="microengine", daemon=True)
         self._thread.start()
+        # Stop the engine thread before the interpreter tears torch down under it.
+        atexit.register(LLM._stop_thread, weakref.ref(self))
+
+    @staticmethod
+    def _stop_thread(ref) -> None:
+        self = ref()
+        if self is not None and not self._stopped:
+            self._stopped = True
+            self._wake.set()
+            self._thread.join(timeout=10)
 
     # ---------------------------------------------------------------- the engine thread
 
@@ -239,6 +251,4 @@ class LLM:
             for rid in list(self.engine.requests):
                 self.engine.abort(rid)
         self._call(abort_all)
-        self._stopped = True
-        self._wake.set()
-        self._thread.join(timeout=5)
+        LLM._stop_thread(weakref.ref(self))

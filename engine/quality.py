@@ -10,11 +10,13 @@ import math
 
 EVAL_MODULES = ("json", "textwrap", "fractions", "heapq", "bisect", "shlex", "difflib", "string",
                 "calendar", "functools", "contextlib", "dataclasses", "argparse", "collections")
+# Activation-aware pruning calibrates on other text than the evaluation's.
+CALIBRATION_MODULES = ("statistics", "pathlib", "logging", "enum", "random", "datetime")
 
 
-def eval_text() -> str:
+def eval_text(modules=EVAL_MODULES) -> str:
     parts = []
-    for name in EVAL_MODULES:
+    for name in modules:
         mod = importlib.import_module(name)
         if mod.__doc__:
             parts.append(mod.__doc__.strip())
@@ -27,8 +29,12 @@ def eval_text() -> str:
     return "\n\n".join(parts)
 
 
-def eval_token_windows(tokenizer, window: int = 512, count: int = 8) -> list[list[int]]:
-    ids = tokenizer.encode(eval_text(), add_special_tokens=False)
+def calibration_windows(tokenizer, window: int = 256, count: int = 16) -> list[list[int]]:
+    return eval_token_windows(tokenizer, window, count, CALIBRATION_MODULES)
+
+
+def eval_token_windows(tokenizer, window: int = 512, count: int = 8, modules=EVAL_MODULES) -> list[list[int]]:
+    ids = tokenizer.encode(eval_text(modules), add_special_tokens=False)
     return [ids[i * window:(i + 1) * window] for i in range(min(count, len(ids) // window))]
 
 

@@ -45,11 +45,12 @@ def embedded_gguf_path() -> str:
     return os.path.join(folder, files[0])
 
 
-def load_model(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> LoadedModel:
+def load_model(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0,
+               tokenizer: str | None = None) -> LoadedModel:
     if name == EMBEDDED:
         return load_gguf(embedded_gguf_path(), device, dtype, name=name)
     if name in SHAPE_PRESETS:
-        return load_preset(name, device, dtype, seed)
+        return load_preset(name, device, dtype, seed, tokenizer)
     if os.path.isdir(name):
         return load_hf_dir(name, device, dtype)
     if os.path.isfile(name) and name.endswith(".gguf"):
@@ -67,9 +68,9 @@ def _progress(total, desc):
 
 # ---------------------------------------------------------------- shape presets (random weights)
 
-def load_preset(name: str, device, dtype, seed: int) -> LoadedModel:
+def load_preset(name: str, device, dtype, seed: int, tokenizer: str | None = None) -> LoadedModel:
     cfg = LlamaConfig(**{**SHAPE_PRESETS[name].__dict__})
-    tok = embedded_tokenizer()
+    tok = preset_tokenizer(tokenizer)
     cfg.bos_token_id = tok.bos_token_id
     cfg.eos_token_ids = [tok.eos_token_id]
     model = LlamaForCausalLM(cfg, device=device, dtype=dtype)
@@ -181,6 +182,16 @@ def gguf_tokenizer(path: str):
 
 def embedded_tokenizer():
     return gguf_tokenizer(embedded_gguf_path())
+
+
+def preset_tokenizer(path: str | None):
+    """Presets have random weights and borrow a tokenizer: `path` if given, else the embedded one."""
+    if path is None:
+        return embedded_tokenizer()
+    from transformers import AutoTokenizer
+    if not os.path.isdir(path):
+        raise ModelLoadError(f"tokenizer directory {path!r} does not exist")
+    return AutoTokenizer.from_pretrained(path)
 
 
 # ---------------------------------------------------------------- HF directories (safetensors)

@@ -75,10 +75,13 @@ def block_hash(parent: int | None, tokens: tuple) -> int:
 
 
 class KVCache:
-    """Per-layer K and V tensors of shape [num_blocks, block_size, n_kv_heads, head_dim]."""
+    """Per-layer K and V tensors of shape [num_blocks + 1, block_size, n_kv_heads, head_dim].
+
+    The last block belongs to no sequence: padded rows of a CUDA-graph decode step write there."""
 
     def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
+        self.scratch_block = num_blocks
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.pool = BlockPool(num_blocks, block_size)

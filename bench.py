@@ -1,0 +1,382 @@
+"""bench.py: tokens/sec of each technique against this engine's dense baseline and HF transformers.
+
+    python bench.py --model llama-3.1-8b            # the GPU run behind BENCHMARKS.md
+    python bench.py --quick                         # tiny shapes on the CPU: proves the harness runs
+
+One process, one run: the dense bf16 baseline, each technique alone and combined, and HF transformers
+generate; for each, prefill tokens/sec, decode tokens/sec at several batch sizes, throughput on a set
+of requests of random lengths, peak memory and decode as a % of the HBM roofline measured in the same
+run. A quality column (perplexity of the embedded SmolLM2 on a fixed text) sits next to the speed, and
+every configuration's greedy output is checked against the dense baseline before it is timed.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import sys
+import time
+
+# The stream-ordered allocator must be chosen before CUDA starts (engine/memory/allocator.py).
+os.environ.setdefault("PYTORCH_ALLOC_CONF", "backend:cudaMallocAsync")
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+
+# name -> EngineConfig overrides; "lossless" configs must reproduce the dense greedy tokens.
+CONFIGS = {
+    "dense":        ({}, True),
+    "fused-off":    ({"fused_kernels": False}, True),
+    "fp8":          ({"weights": "fp8"}, False),
+    "nvfp4":        ({"weights": "nvfp4"}, False),
+    "2:4":          ({"sparse_ffn": "magnitude"}, False),
+    "2:4+fp8":      ({"sparse_ffn": "magnitude", "weights": "fp8"}, False),
+}
+QUALITY = {"bf16": {}, "fp8": {"weights": "fp8"}, "nvfp4": {"weights": "nvfp4"},
+           "2:4 magnitude": {"sparse_ffn": "magnitude"}, "2:4 wanda": {"sparse_ffn": "wanda"},
+           "2:4+fp8": {"sparse_ffn": "magnitude", "weights": "fp8"}}
+GUARD_PROMPT = "The quick brown fox jumps over the lazy dog. In the beginning"
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_copy_bandwidth(device) -> float:
+    """Device-to-device copy in bytes/s, counting bytes read plus bytes written."""
+    if device.type != "cuda":
+        return float("nan")
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * n / sorted(times)[len(times) // 2]
+
+
+def measure_matmul_peak(device, dtype=torch.bfloat16) -> float:
+    if device.type != "cuda":
+        return float("nan")
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    sync(device)
+    return 2 * n ** 3 * 10 / (time.perf_counter() - t)
+
+
+def run_to_completion(engine: Engine, requests) -> list[list[int]]:
+    outs: dict[str, list[int]] = {}
+    for rid, ids, params in requests:
+        outs[rid] = []
+        engine.add_request(rid, ids, params, lambda c, o=outs[rid]: o.extend(c.token_ids))
+    while engine.has_work():
+        engine.step()
+    return [outs[rid] for rid, _, _ in requests]
+
+
+def random_prompt(rng, n, vocab):
+    return [rng.randrange(100, vocab) for _ in range(n)]
+
+
+def bench_prefill(engine, rng, vocab, num, length):
+    reqs = [(f"p{i}", random_prompt(rng, length, vocab), SamplingParams(max_tokens=1, detokenize=False))
+            for i in range(num)]
+    sync(engine.device)
+    t = time.perf_counter()
+    run_to_completion(engine, reqs)
+    sync(engine.device)
+    return num * length / (time.perf_counter() - t)
+
+
+def bench_decode(engine, rng, vocab, batch, prompt_len, steps):
+    """Decode tokens/sec with `batch` sequences all decoding: time `steps` steps after their prefill."""
+    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True, detokenize=False)
+    for i in range(batch):
+        engine.add_request(f"d{batch}-{i}", random_prompt(rng, prompt_len, vocab), params, lambda c: None)
+    while any(not r.seq.output_ids for r in engine.requests.values()):
+        engine.step()
+    for _ in range(3):
+        engine.step()                           # warm-up (and CUDA graph capture, if any)
+    sync(engine.device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync(engine.device)
+    elapsed = time.perf_counter() - t
+    for rid in list(engine.requests):
+        engine.abort(rid)
+    return batch * steps / elapsed, elapsed / steps
+
+
+def bench_throughput(engine, rng, vocab, num, lo, hi):
+    reqs = []
+    for i in range(num):
+        n_in, n_out = rng.randint(lo, hi), rng.randint(lo, hi)
+        reqs.append((f"t{i}", random_prompt(rng, n_in, vocab),
+                     SamplingParams(max_tokens=n_out, temperature=0, ignore_eos=True, detokenize=False)))
+    sync(engine.device)
+    t = time.perf_counter()
+    outs = run_to_completion(engine, reqs)
+    sync(engine.device)
+    return sum(len(o) for o in outs) / (time.perf_counter() - t)
+
+
+def weight_bytes(engine) -> int:
+    model = engine.model
+    total = sum(lin.backend.weight_bytes() for _, lin in model.linear_layers())
+    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    return total + head.numel() * head.element_size()
+
+
+def bench_config(name, overrides, args, device, shared):
+    rng = random.Random(0)
+    cfg = EngineConfig(model=args.model, device=str(device), dtype=args.dtype, seed=0,
+                       max_num_batched_tokens=args.step_tokens, kv_cache_tokens=args.kv_tokens, **overrides)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    engine = Engine(cfg)
+    vocab = min(engine.model_config.vocab_size, 49152)
+    row = {"config": name}
+    guard_ids = engine.tokenizer.encode(GUARD_PROMPT, add_special_tokens=False)
+    guard = run_to_completion(engine, [("guard", guard_ids, SamplingParams(
+        max_tokens=args.guard_tokens, temperature=0, ignore_eos=True, detokenize=False))])[0]
+    if "dense" in shared:
+        ref = shared["dense"]
+        row["agreement"] = sum(a == b for a, b in zip(guard, ref)) / len(ref)
+    else:
+        shared["dense"] = guard
+        row["agreement"] = 1.0
+    row["prefill_tok_s"] = bench_prefill(engine, rng, vocab, args.prefill_seqs, args.prefill_len)
+    kv_per_token = 2 * engine.model_config.num_layers * engine.model_config.num_kv_heads * \
+        engine.model_config.head_dim * torch.empty(0, dtype=engine.dtype).element_size()
+    wbytes = weight_bytes(engine)
+    row["weight_GB"] = wbytes / 1e9
+    for b in args.decode_batches:
+        tps, step_s = bench_decode(engine, rng, vocab, b, args.decode_prompt, args.decode_steps)
+        row[f"decode_b{b}_tok_s"] = tps
+        ctx = args.decode_prompt + args.decode_steps // 2
+        ideal = (wbytes + b * ctx * kv_per_token) / shared["copy_bw"]
+        row[f"decode_b{b}_roofline_pct"] = 100 * ideal / step_s
+    row["throughput_tok_s"] = bench_throughput(engine, rng, vocab, args.requests, args.min_len, args.max_len)
+    if device.type == "cuda":
+        row["peak_mem_GB"] = torch.cuda.max_memory_allocated(device) / 1e9
+    del engine
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def bench_hf(args, device, rng_seed=0):
+    """HF transformers generate on the same shapes (random weights), bf16, as the outside baseline."""
+    from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
+    from models.presets import SHAPE_PRESETS
+    c = SHAPE_PRESETS[args.model]
+    hf_cfg = HFConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                      num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+                      num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rope_theta=c.rope_theta,
+                      rope_scaling=c.rope_scaling, max_position_embeddings=c.max_position_embeddings,
+                      tie_word_embeddings=c.tie_word_embeddings)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device(device):
+        model = LlamaForCausalLM(hf_cfg).to(dtype).eval()
+    rng = random.Random(rng_seed)
+    row = {"config": "HF transformers"}
+    for b in args.decode_batches:
+        ids = torch.tensor([random_prompt(rng, args.decode_prompt, 49152) for _ in range(b)], device=device)
+        kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+        model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)
+        sync(device)
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=args.decode_steps, min_new_tokens=args.decode_steps, **kw)
+        sync(device)
+        row[f"decode_b{b}_tok_s"] = b * args.decode_steps / (time.perf_counter() - t)
+    ids = torch.tensor([random_prompt(rng, args.prefill_len, 49152) for _ in range(args.prefill_seqs)], device=device)
+    with torch.inference_mode():
+        model(ids[:1])
+        sync(device)
+        t = time.perf_counter()
+        for i in range(args.prefill_seqs):
+            model(ids[i:i + 1], logits_to_keep=1)
+        sync(device)
+    row["prefill_tok_s"] = args.prefill_seqs * args.prefill_len / (time.perf_counter() - t)
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def quality(args, device):
+    from engine.llm import LLM
+    from engine.quality import perplexity
+    rows = {}
+    for name, overrides in QUALITY.items():
+        try:
+            llm = LLM("llama", device=str(device), dtype=args.dtype, **overrides)
+        except (ValueError, NotImplementedError, ImportError) as e:
+            rows[name] = f"n/a ({e})"
+            continue
+        try:
+            rows[name] = perplexity(llm, window=args.ppl_window, count=args.ppl_windows)
+        finally:
+            llm.shutdown(timeout=1)
+    return rows
+
+
+def write_outputs(results, args):
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=2, default=str)
+    md = markdown_table(results)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(md)
+    plot_bars(results, os.path.join(args.out, "tokens_per_sec.png"))
+    return md
+
+
+def markdown_table(results) -> str:
+    rows = results["configs"]
+    keys = ["prefill_tok_s"] + [f"decode_b{b}_tok_s" for b in results["args"]["decode_batches"]] + \
+           ["throughput_tok_s", "peak_mem_GB", "agreement"] + \
+           [f"decode_b{b}_roofline_pct" for b in results["args"]["decode_batches"]]
+    head = "| config | " + " | ".join(keys) + " |\n|" + "---|" * (len(keys) + 1) + "\n"
+    body = ""
+    for r in rows:
+        cells = []
+        for k in keys:
+            v = r.get(k)
+            cells.append("" if v is None else (f"{v:.3g}" if isinstance(v, float) and abs(v) < 10 else
+                                               f"{v:.0f}" if isinstance(v, float) else str(v)))
+        body += f"| {r['config']} | " + " | ".join(cells) + " |\n"
+    q = "\n| quality (embedded SmolLM2) | perplexity |\n|---|---|\n" + "".join(
+        f"| {k} | {v:.3f} |\n" if isinstance(v, float) else f"| {k} | {v} |\n"
+        for k, v in results.get("quality", {}).items())
+    ceil = results["ceilings"]
+    hdr = (f"device: {results['device']}; copy bandwidth {ceil['copy_GBps']:.0f} GB/s; "
+           f"bf16 GEMM {ceil['bf16_TFLOPs']:.0f} TFLOP/s\n\n")
+    return hdr + head + body + q
+
+
+def plot_bars(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in results["configs"] if "error" not in r]
+    metrics = [k for k in ("prefill_tok_s", *[f"decode_b{b}_tok_s" for b in results["args"]["decode_batches"]],
+                           "throughput_tok_s")]
+    dense = next((r for r in rows if r["config"] == "dense"), None)
+    if dense is None:
+        return
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(rows)
+    for i, r in enumerate(rows):
+        vals = [r.get(m, 0) / dense[m] if dense.get(m) and r.get(m) else 0 for m in metrics]
+        ax.bar([j + i * width for j in range(len(metrics))], vals, width, label=r["config"])
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(metrics))], [m.replace("_tok_s", "") for m in metrics])
+    ax.set_ylabel("tokens/sec vs dense bf16")
+    ax.set_title(f"{results['args']['model']} on {results['device']}")
+    ax.legend(fontsize=8, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama-3.1-8b", help="a preset name (default llama-3.1-8b)")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
+    ap.add_argument("--dtype", default=None, help="model dtype (default bf16 on cuda, fp32 on cpu)")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes and counts for the CPU (CI)")
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    ap.add_argument("--no-quality", action="store_true", help="skip the perplexity column")
+    ap.add_argument("--quality-only", action="store_true",
+                    help="only the perplexity column (the embedded model's file is not on every GPU box)")
+    ap.add_argument("--requests", type=int, default=256, help="requests in the throughput test")
+    ap.add_argument("--min-len", type=int, default=100)
+    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--prefill-seqs", type=int, default=8)
+    ap.add_argument("--prefill-len", type=int, default=2048)
+    ap.add_argument("--decode-batches", default="1,16,64")
+    ap.add_argument("--decode-prompt", type=int, default=512)
+    ap.add_argument("--decode-steps", type=int, default=64)
+    ap.add_argument("--step-tokens", type=int, default=8192, help="per-step token budget")
+    ap.add_argument("--kv-tokens", type=int, default=None, help="KV cache size in tokens (default: from memory)")
+    ap.add_argument("--guard-tokens", type=int, default=32)
+    ap.add_argument("--ppl-window", type=int, default=512)
+    ap.add_argument("--ppl-windows", type=int, default=8)
+    ap.add_argument("--out", default="bench_results", help="folder for results.json/.md and the plots")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.model = "llama-tiny" if args.model == "llama-3.1-8b" else args.model
+        args.requests, args.min_len, args.max_len = 8, 8, 32
+        args.prefill_seqs, args.prefill_len, args.decode_prompt, args.decode_steps = 2, 64, 32, 8
+        args.decode_batches, args.guard_tokens, args.ppl_window, args.ppl_windows = "1,4", 8, 128, 2
+        args.step_tokens = 512
+    args.decode_batches = [int(b) for b in args.decode_batches.split(",")]
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown config(s) {unknown}; choose from {', '.join(CONFIGS)}")
+    if "dense" in names:
+        names.remove("dense")
+    names.insert(0, "dense")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    shared = {"copy_bw": measure_copy_bandwidth(device)}   # nan on the CPU: no roofline there
+    results = {"device": dev_name, "args": vars(args), "date": time.strftime("%Y-%m-%d"),
+               "ceilings": {"copy_GBps": shared["copy_bw"] / 1e9,
+                            "bf16_TFLOPs": measure_matmul_peak(device) / 1e12},
+               "configs": []}
+    steps = names + ([] if args.no_hf else ["HF transformers"]) + ([] if args.no_quality else ["quality"])
+    if args.quality_only:
+        steps = ["quality"]
+    for name in tqdm(steps, desc="bench", unit="config", file=sys.stderr):
+        try:
+            if name == "HF transformers":
+                results["configs"].append(bench_hf(args, device))
+            elif name == "quality":
+                results["quality"] = quality(args, device)
+            else:
+                row = bench_config(name, CONFIGS[name][0], args, device, shared)
+                if CONFIGS[name][1] and row["agreement"] < 1.0:
+                    row["note"] = "lossless switch changed greedy tokens"
+                results["configs"].append(row)
+        except (ValueError, NotImplementedError, ImportError, RuntimeError) as e:
+            results["configs"].append({"config": name, "error": f"{type(e).__name__}: {e}"})
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    md = write_outputs(results, args)
+    print(md)
+    for r in results["configs"]:
+        if "error" in r or "note" in r:
+            print(f"{r['config']}: {r.get('error') or r.get('note')}")
+    print(f"wrote {args.out}/results.json, results.md, tokens_per_sec.png")
+
+
+if __name__ == "__main__":
+    main()
