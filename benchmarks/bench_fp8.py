@@ -1,0 +1,246 @@
+"""FP8 GEMM benchmark on Llama-3.1-8B shapes: our kernels vs cuBLAS FP8 (torch._scaled_mm) vs bf16 cuBLAS.
+
+    python benchmarks/bench_fp8.py [--m 1,16,128,1024,8192] [--sweep]
+
+--sweep also times every tile of the sm90 kernel in both accumulation modes at M = 1024 and 8192
+(what the tile heuristic in fp8_gemm_sm90.choose_tile is checked against).
+
+Each kernel is captured in a CUDA graph that runs it over several rotating operand sets (together
+larger than L2, so every call reads its weight from HBM) and the replay is timed with CUDA events;
+the median over replays is reported per call. Ceilings measured in the same run: HBM copy bandwidth
+(read + write of a 2 GiB buffer), cuBLAS fp8 and bf16 TFLOP/s at 8192^3.
+
+"ours" takes pre-quantised activations (qx, x_scale), as torch._scaled_mm does; "ours+q" adds the
+per-token activation quantisation of a bf16 input (what fp8_linear does for a bf16 activation).
+"fast" rows compare the accumulation mode that skips the per-k-tile fp32 promotion: ours with
+fast_accum=True against torch._scaled_mm(use_fast_accum=True). The default modes of both promote.
+An accuracy table (relative error vs float64 of the dequantised operands, M=1024) comes last.
+GB/s counts the weight bytes only (fp8: N*K, bf16: 2*N*K), the traffic that bounds decode.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+from engine.kernels import fp8  # noqa: E402
+
+SHAPES = [(6144, 4096), (28672, 4096), (4096, 14336)]  # (N, K): qkv, gate+up, down
+L2_BYTES = 50 * 2**20
+
+
+def time_graph(fn_per_set, sets, replays=15, min_calls=20):
+    """Median seconds per call of fn over rotating operand sets, from CUDA-graph replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for s in sets:  # warm-up: compiles, autotunes, allocates outside the capture
+            fn_per_set(s)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    rounds = max(1, math.ceil(min_calls / len(sets)))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(rounds):
+            for s in sets:
+                fn_per_set(s)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / (rounds * len(sets)))
+    return statistics.median(times)
+
+
+def measure_ceilings():
+    n = 2**30 // 2  # 1 GiB of bf16, copied: 2 GiB of traffic per call
+    a = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    t = time_graph(lambda s: b.copy_(a), [0], replays=10, min_calls=10)
+    copy_gbs = 2 * a.numel() * 2 / t / 1e9
+    t = time_graph(lambda s: torch.sum(a, dtype=torch.float32), [0], replays=10, min_calls=10)
+    read_gbs = a.numel() * 2 / t / 1e9
+    del a, b
+    size = 8192
+    x = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    t = time_graph(lambda s: torch.matmul(x, w.t()), [0], replays=10, min_calls=10)
+    bf16_tflops = 2 * size**3 / t / 1e12
+    qx, qw = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    t = time_graph(lambda s: torch._scaled_mm(qx, qw.t(), one, one, out_dtype=torch.bfloat16), [0],
+                   replays=10, min_calls=10)
+    fp8_tflops = 2 * size**3 / t / 1e12
+    return copy_gbs, read_gbs, bf16_tflops, fp8_tflops
+
+
+def scaled_mm_rowwise_supported():
+    qx = torch.randn(32, 64, device="cuda").to(torch.float8_e4m3fn)
+    qw = torch.randn(64, 64, device="cuda").to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(qx, qw.t(), torch.ones(32, 1, device="cuda"), torch.ones(1, 64, device="cuda"),
+                         out_dtype=torch.bfloat16)
+        return True
+    except RuntimeError:
+        return False
+
+
+def make_sets(m, n, k, per_set_weight_bytes):
+    count = max(2, min(8, math.ceil(3 * L2_BYTES / per_set_weight_bytes)))
+    sets = []
+    for _ in range(count):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        qx, xs = fp8.quantize_act_fp8(x)
+        qw, ws = fp8.quantize_weight_fp8(w)
+        sets.append(dict(x=x, w=w, qx=qx, xs=xs, qw=qw, ws=ws))
+    return sets
+
+
+def ours(s, fast_accum=False):
+    if s["qx"].shape[0] <= fp8.SMALL_M:
+        return fp8.fp8_gemm_small_m(s["qx"], s["xs"], s["qw"], s["ws"])
+    from engine.kernels.cute.fp8_gemm_sm90 import fp8_gemm_sm90
+    return fp8_gemm_sm90(s["qx"], s["xs"], s["qw"], s["ws"], fast_accum=fast_accum)
+
+
+def accuracy_table(rowwise):
+    print("\n| N x K | M | ours | ours fast_accum | cuBLAS fp8 | cuBLAS fp8 fast_accum | cuBLAS bf16 |")
+    print("|---|---|---|---|---|---|---|")
+    for n, k in SHAPES:
+        m = 1024
+        s = make_sets(m, n, k, 10**12)[0]
+        ref = (s["qx"].double() @ s["qw"].double().t()) * s["xs"].double()[:, None] * s["ws"].double()[None, :]
+        ref_bf16 = s["x"].double() @ s["w"].double().t()
+        sa, sb = (s["xs"][:, None], s["ws"][None, :]) if rowwise else (None, None)
+
+        def err(out, r=ref):
+            return ((out.double() - r).norm() / r.norm()).item()
+        cells = [err(ours(s)), err(ours(s, fast_accum=True))]
+        if rowwise:
+            cells += [err(torch._scaled_mm(s["qx"], s["qw"].t(), sa, sb, out_dtype=torch.bfloat16,
+                                           use_fast_accum=fast)) for fast in (False, True)]
+        else:
+            cells += [float("nan"), float("nan")]
+        cells.append(err(torch.matmul(s["x"], s["w"].t()), ref_bf16))
+        print(f"| {n} x {k} | {m} | " + " | ".join(f"{c:.2e}" for c in cells) + " |")
+
+
+def tile_sweep():
+    from engine.kernels.cute.fp8_gemm_sm90 import PRECISE_TILES, TILES, choose_tile, fp8_gemm_sm90
+    from engine.kernels.cute.common import sm_count
+    print("\nsm90 tile sweep (TFLOP/s per tile; '-' = tile not available in that mode), with cuBLAS fp8 in the "
+          "same accumulation mode timed at the same moment")
+    print("| N x K | M | accumulation | " + " | ".join(f"{a}x{b}" for a, b in TILES) + " | chosen | cuBLAS |")
+    print("|---|---|---|" + "---|" * (len(TILES) + 2))
+    for n, k in SHAPES:
+        for m in (1024, 8192):
+            sets = make_sets(m, n, k, n * k)
+            for fast in (False, True):
+                cells = []
+                for tile in TILES:
+                    if tile not in (TILES if fast else PRECISE_TILES) or n % tile[1]:
+                        cells.append("-")
+                        continue
+                    sec = time_graph(lambda s: fp8_gemm_sm90(s["qx"], s["xs"], s["qw"], s["ws"], tile_mn=tile,
+                                                             fast_accum=fast), sets, replays=7)
+                    cells.append(f"{2 * m * n * k / sec / 1e12:.0f}")
+                chosen = choose_tile(m, n, sm_count(), fast)
+                sec = time_graph(lambda s: torch._scaled_mm(s["qx"], s["qw"].t(), s["xs"][:, None], s["ws"][None, :],
+                                                            out_dtype=torch.bfloat16, use_fast_accum=fast),
+                                 sets, replays=7)
+                print(f"| {n} x {k} | {m} | {'fast' if fast else 'promoted'} | " + " | ".join(cells)
+                      + f" | {chosen[0]}x{chosen[1]} | {2 * m * n * k / sec / 1e12:.0f} |", flush=True)
+            del sets
+            torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--m", default="1,16,128,1024,8192")
+    ap.add_argument("--sweep", action="store_true")
+    args = ap.parse_args()
+    ms = [int(v) for v in args.m.split(",")]
+    dev = torch.cuda.get_device_name()
+    print(f"device: {dev}; torch {torch.__version__}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    copy_gbs, read_gbs, bf16_peak, fp8_peak = measure_ceilings()
+    print(f"ceilings: HBM copy {copy_gbs:.0f} GB/s (read+write), read {read_gbs:.0f} GB/s, cuBLAS bf16 {bf16_peak:.0f} TFLOP/s, "
+          f"cuBLAS fp8 {fp8_peak:.0f} TFLOP/s (8192^3)")
+    rowwise = scaled_mm_rowwise_supported()
+    print(f"torch._scaled_mm scales: {'rowwise (per token x per channel)' if rowwise else 'tensorwise'}")
+
+    rows = []
+    for n, k in SHAPES:
+        for m in ms:
+            sets = make_sets(m, n, k, n * k)
+            if rowwise:
+                def cublas_fp8(s):
+                    return torch._scaled_mm(s["qx"], s["qw"].t(), s["xs"][:, None], s["ws"][None, :],
+                                            out_dtype=torch.bfloat16)
+            else:
+                one = torch.ones((), device="cuda")
+
+                def cublas_fp8(s):
+                    return torch._scaled_mm(s["qx"], s["qw"].t(), one, one, out_dtype=torch.bfloat16)
+            variants = {
+                "ours": ours,
+                "ours+q": lambda s: fp8.fp8_linear(s["x"], s["qw"], s["ws"]),
+                "cublas_fp8": cublas_fp8,
+                "cublas_bf16": lambda s: torch.matmul(s["x"], s["w"].t()),
+            }
+            if m > fp8.SMALL_M and rowwise:
+                variants["ours_fast"] = lambda s: ours(s, fast_accum=True)
+                variants["cublas_fp8_fast"] = lambda s: torch._scaled_mm(
+                    s["qx"], s["qw"].t(), s["xs"][:, None], s["ws"][None, :], out_dtype=torch.bfloat16,
+                    use_fast_accum=True)
+            flops = 2 * m * n * k
+            t = {name: time_graph(fn, sets) for name, fn in variants.items()}
+            row = dict(n=n, k=k, m=m, kernel="small_m" if m <= fp8.SMALL_M else "sm90")
+            for name, sec in t.items():
+                wbytes = n * k * (2 if name == "cublas_bf16" else 1)
+                row[name] = (sec * 1e6, flops / sec / 1e12, wbytes / sec / 1e9)
+            rows.append(row)
+            print(f"N={n} K={k} M={m}: " + ", ".join(
+                f"{name} {v[0]:.1f} us {v[1]:.0f} TF/s {v[2]:.0f} GB/s" for name, v in row.items()
+                if isinstance(v, tuple)), flush=True)
+            del sets
+            torch.cuda.empty_cache()
+
+    print()
+    print("| N x K | M | ours (kernel) | us | TFLOP/s | weight GB/s | ours+quant us | cuBLAS fp8 us | TFLOP/s "
+          "| cuBLAS bf16 us | TFLOP/s | GB/s | vs fp8 | vs bf16 | fast: ours us | TFLOP/s | cuBLAS us | TFLOP/s | vs fp8 fast |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        o, q, f, b = r["ours"], r["ours+q"], r["cublas_fp8"], r["cublas_bf16"]
+        line = (f"| {r['n']} x {r['k']} | {r['m']} | {r['kernel']} | {o[0]:.1f} | {o[1]:.0f} | {o[2]:.0f} | "
+                f"{q[0]:.1f} | {f[0]:.1f} | {f[1]:.0f} | {b[0]:.1f} | {b[1]:.0f} | {b[2]:.0f} | "
+                f"{f[0] / o[0]:.2f}x | {b[0] / o[0]:.2f}x |")
+        if "ours_fast" in r:
+            of, ff = r["ours_fast"], r["cublas_fp8_fast"]
+            line += f" {of[0]:.1f} | {of[1]:.0f} | {ff[0]:.1f} | {ff[1]:.0f} | {ff[0] / of[0]:.2f}x |"
+        else:
+            line += " - | - | - | - | - |"
+        print(line)
+    print(f"\nceilings: HBM copy {copy_gbs:.0f} GB/s (read+write), read {read_gbs:.0f} GB/s; bf16 {bf16_peak:.0f} TFLOP/s; "
+          f"fp8 {fp8_peak:.0f} TFLOP/s. 'vs' columns are speedups (time ratio, >1 = ours faster)")
+    accuracy_table(rowwise)
+    tuned = fp8._triton_kernels()[2].cache
+    print("\nsmall-M autotuned configs (N, K, K per split, ...): " + "; ".join(
+        f"{key[:3]} -> BLOCK_N {c.kwargs['BLOCK_N']} BLOCK_K {c.kwargs['BLOCK_K']} warps {c.num_warps} "
+        f"stages {c.num_stages}" for key, c in tuned.items()))
+    if args.sweep:
+        tile_sweep()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Shared plumbing for the CuTe DSL kernels: lazy import, pointers, streams, the compile cache.
+
+CuTe DSL is imported only when a kernel is compiled (importing it costs ~2 s and needs the
+nvidia-cutlass-dsl package, which the CPU-only install may lack). Kernels take raw device pointers
+plus the dynamic extents as scalars, so one compiled kernel serves every M: nothing is recompiled
+when only the batch changes. Set CUTE_DSL_ARCH=sm_90a / sm_100a to compile without a GPU.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import threading
+
+import torch
+
+
+def cute_available() -> bool:
+    """True when nvidia-cutlass-dsl can be imported (it is optional on CPU-only installs)."""
+    try:
+        import cutlass  # noqa: F401
+        import cutlass.cute  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def target_arch() -> str:
+    """The architecture kernels are compiled for: CUTE_DSL_ARCH, else the current GPU's."""
+    arch = os.environ.get("CUTE_DSL_ARCH")
+    if arch:
+        return arch
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
+    raise RuntimeError("no GPU and CUTE_DSL_ARCH is unset: set CUTE_DSL_ARCH=sm_90a or sm_100a")
+
+
+def cutlass_dtype(dtype: torch.dtype):
+    import cutlass
+    return {
+        torch.float8_e4m3fn: cutlass.Float8E4M3FN,
+        torch.bfloat16: cutlass.BFloat16,
+        torch.float16: cutlass.Float16,
+        torch.float32: cutlass.Float32,
+    }[dtype]
+
+
+def gmem_ptr(dtype, address: int = 0, align: int = 16):
+    """A global-memory pointer argument. address=0 gives a placeholder for compile-only runs."""
+    from cutlass.cute.runtime import make_ptr
+    from cutlass import AddressSpace
+    return make_ptr(dtype, address, AddressSpace.gmem, assumed_align=align)
+
+
+def tensor_ptr(t: torch.Tensor, align: int = 16):
+    if t.data_ptr() % align:
+        raise ValueError(f"tensor data pointer must be {align}-byte aligned")
+    return gmem_ptr(cutlass_dtype(t.dtype), t.data_ptr(), align)
+
+
+def current_stream():
+    import cuda.bindings.driver as cuda
+    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+
+
+def placeholder_stream():
+    from cutlass.runtime import make_fake_stream
+    return make_fake_stream()
+
+
+@functools.cache
+def sm_count() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+class CompileCache:
+    """Compiled kernels keyed by their compile-time configuration (never by M)."""
+
+    def __init__(self):
+        self._compiled: dict = {}
+        self._lock = threading.Lock()
+
+    def get(self, key, build):
+        fn = self._compiled.get(key)
+        if fn is None:
+            with self._lock:
+                fn = self._compiled.get(key)
+                if fn is None:
+                    fn = self._compiled[key] = build()
+        return fn
+
+    def __len__(self):
+        return len(self._compiled)
