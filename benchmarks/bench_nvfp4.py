@@ -1,0 +1,207 @@
+"""NVFP4 weights on Hopper vs bf16 cuBLAS (and fp8 torch._scaled_mm) at Llama-3.1-8B linear shapes.
+
+For every (N, K) and M: time of the NVFP4 kernels (Triton, weights decoded in registers to bf16
+and fed to mma/WGMMA; CuTe DSL sm90, decoded into shared memory for WGMMA), of dequantise-to-bf16
++ cuBLAS, of bf16 cuBLAS and of fp8 _scaled_mm; the bytes each must move (weights as stored,
+activations, output) and the achieved GB/s as a fraction of the HBM copy bandwidth measured in
+the same run; TFLOP/s next to bf16 cuBLAS at 8192^3, measured here too.
+
+Timing: each variant is captured in a CUDA graph that calls it once per weight copy, rotating over
+enough copies to exceed 2x L2, so every call reads its weights from HBM and launch gaps vanish;
+the median of 20 replays, divided by the calls per replay. Usage: python benchmarks/bench_nvfp4.py
+[--quick] [--sweep]  (--sweep also times other Triton configurations at M = 1 and 16).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import nvfp4 as nv
+from engine.kernels import nvfp4_decode as dec
+from engine.kernels.cute.nvfp4_sm90 import nvfp4_gemm_sm90
+
+SHAPES = [(6144, 4096), (28672, 4096), (4096, 14336)]  # qkv, gate+up, down of Llama-3.1-8B
+MS = [1, 16, 128, 1024, 8192]
+
+
+def graph_time_us(fn, calls: int, replays: int = 20) -> float:
+    """Median time of one call of fn(i) (i = 0..calls-1 selects the weight copy), via a graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(calls):  # warm up: compile, cuBLAS handles, workspace
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs() -> tuple[float, float]:
+    """HBM copy of 1 GiB (bytes read + written): eager cudaMemcpy-backed copy_ and, in a graph,
+    an elementwise kernel; the first also warms the clocks up."""
+    src = torch.randn(256 * 2**20, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(20):
+        dst.copy_(src)
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    nbytes = 2 * src.numel() * 4
+    eager = nbytes / statistics.median(times) / 1e3
+    kernel = nbytes / graph_time_us(lambda i: torch.mul(src, 1.0, out=dst), calls=4) / 1e3
+    return eager, kernel
+
+
+def bf16_tflops() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t = graph_time_us(lambda i: a @ b, calls=3)
+    return 2 * 8192**3 / t / 1e6
+
+
+def copies_for(nbytes: int, l2_bytes: int) -> int:
+    return max(2, -(-2 * l2_bytes // nbytes))
+
+
+def check(name, out, ref, tol=1e-2):
+    """Relative error vs the float64 reference; bf16 output rounding alone is ~1e-3."""
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    if not (err < tol) or out.isnan().any():
+        raise SystemExit(f"{name}: wrong result, relative error {err:.3g}")
+    return err
+
+
+SWEEP = [  # (BLOCK_N, BLOCK_K, num_warps, num_stages) at BLOCK_M = 16
+    (32, 256, 4, 4), (32, 256, 2, 4), (32, 128, 4, 6), (64, 256, 4, 4), (64, 256, 8, 4),
+    (64, 128, 4, 4), (128, 256, 8, 4)]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="one shape, M in {1, 1024}")
+    parser.add_argument("--sweep", action="store_true", help="time other Triton configs")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    l2 = props.L2_cache_size
+    copy_eager, copy_kernel = copy_bandwidth_gbs()
+    copy_gbs = max(copy_eager, copy_kernel)
+    peak_tflops = bf16_tflops()
+    print(f"device: {props.name}, {props.multi_processor_count} SMs, L2 {l2 >> 20} MiB; "
+          f"torch {torch.__version__}")
+    print(f"HBM copy 1 GiB (read+write): copy_ {copy_eager:.0f} GB/s, elementwise kernel "
+          f"{copy_kernel:.0f} GB/s; bf16 cuBLAS 8192^3 {peak_tflops:.0f} TFLOP/s")
+    shapes, ms = (SHAPES[:1], [1, 1024]) if args.quick else (SHAPES, MS)
+    rows, sweep_rows = [], []
+    for n, k in shapes:
+        w_dense = torch.randn(n, k, device="cuda") * 0.02
+        w_q = nv.quantize(w_dense)
+        w_bf16 = w_dense.bfloat16()
+        del w_dense
+        w_fp8_scale = w_bf16.float().abs().amax() / 448
+        w_fp8 = (w_bf16.float() / w_fp8_scale).to(torch.float8_e4m3fn)
+        copies_q = copies_for(w_q.nbytes, l2)
+        copies_b = copies_for(w_bf16.numel() * 2, l2)
+        qs = [nv.Nvfp4Tensor(w_q.packed.clone(), w_q.block_scale.clone(), w_q.tensor_scale.clone(),
+                             w_q.shape) for _ in range(copies_q)]
+        bs = [w_bf16.clone() for _ in range(copies_b)]
+        fs = [w_fp8.clone() for _ in range(copies_b)]
+        dq_ref = nv.dequantize(w_q).double()
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = x.double() @ dq_ref.t()
+            ref_bf16 = x.double() @ w_bf16.double().t()
+            act_out_bytes = m * k * 2 + m * n * 2
+            flops = 2 * m * n * k
+
+            def measure(variant, fn, calls, weight_bytes, reference, tol=1e-2):
+                err = check(variant, fn(0), reference, tol)
+                t_us = graph_time_us(fn, calls)
+                nbytes = weight_bytes + act_out_bytes
+                gbs = nbytes / t_us / 1e3
+                rows.append((n, k, m, variant, t_us, nbytes, gbs, gbs / copy_gbs,
+                             flops / t_us / 1e6, err))
+
+            measure("nvfp4 Triton", lambda i: dec.nvfp4_matmul(x, qs[i]), copies_q, w_q.nbytes, ref)
+            measure("nvfp4 CuTe sm90",
+                    lambda i: nvfp4_gemm_sm90(x, qs[i].packed, qs[i].block_scale,
+                                              qs[i].tensor_scale),
+                    copies_q, w_q.nbytes, ref)
+            measure("nvfp4 dequant+cuBLAS",
+                    lambda i: F.linear(x, dec.dequantize_bf16(qs[i])), copies_q,
+                    w_q.nbytes + 2 * n * k * 2, ref)
+            measure("bf16 cuBLAS", lambda i: F.linear(x, bs[i]), copies_b, n * k * 2, ref_bf16)
+            x_scale = x.float().abs().amax() / 448
+            x_fp8 = (x.float() / x_scale).to(torch.float8_e4m3fn)
+            try:
+                # per-tensor e4m3 activations and weights: a few percent of error
+                measure("fp8 _scaled_mm",
+                        lambda i: torch._scaled_mm(x_fp8, fs[i].t(), scale_a=x_scale,
+                                                   scale_b=w_fp8_scale, out_dtype=torch.bfloat16),
+                        copies_b, n * k, ref_bf16, tol=0.1)
+            except RuntimeError as e:  # cuBLASLt fp8 may want M % 16 == 0
+                print(f"fp8 _scaled_mm N={n} K={k} M={m}: not run ({str(e).splitlines()[0][:80]})")
+            if args.sweep and m in (1, 16):
+                for block_n, block_k, warps, stages in SWEEP:
+                    for split in (1, 2, 4, 8):
+                        steps = k // block_k
+                        if steps % split or steps < 2 * split:
+                            continue
+                        cfg = dec.matmul_config(m, n, k, props.multi_processor_count,
+                                                block_n=block_n, block_k=block_k, num_warps=warps,
+                                                num_stages=stages, split_k=split)
+                        check("sweep", dec.nvfp4_matmul(x, w_q, config=cfg), ref)
+                        t = graph_time_us(lambda i: dec.nvfp4_matmul(x, qs[i], config=cfg),
+                                          copies_q)
+                        gbs = (w_q.nbytes + act_out_bytes) / t / 1e3
+                        sweep_rows.append((n, k, m, block_n, block_k, warps, stages, split, t,
+                                           gbs / copy_gbs))
+        del qs, bs, fs, dq_ref
+        torch.cuda.empty_cache()
+
+    if sweep_rows:
+        print("\nTriton NVFP4 kernel configurations (BLOCK_M = 16)")
+        print("| N | K | M | BLOCK_N | BLOCK_K | warps | stages | SPLIT_K | us | of copy BW |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in sweep_rows:
+            print("| " + " | ".join(str(v) for v in r[:8]) + f" | {r[8]:.1f} | {r[9]:.0%} |")
+    print(f"\nceilings: HBM copy {copy_gbs:.0f} GB/s (read+write), bf16 {peak_tflops:.0f} TFLOP/s; "
+          "bytes = weights as stored + x + y (dequant+cuBLAS also counts its bf16 write and read)")
+    print("| N | K | M | variant | us | MB moved | GB/s | of copy BW | TFLOP/s | rel err |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for n, k, m, variant, t, nbytes, gbs, frac, tflops, err in rows:
+        print(f"| {n} | {k} | {m} | {variant} | {t:.1f} | {nbytes / 1e6:.1f} | {gbs:.0f} | "
+              f"{frac:.0%} | {tflops:.1f} | {err:.1e} |")
+    by_key = {(n, k, m, v): t for n, k, m, v, t, *_ in rows}
+    for variant in ("nvfp4 Triton", "nvfp4 CuTe sm90", "nvfp4 dequant+cuBLAS"):
+        print(f"\nspeed-up of {variant} over bf16 cuBLAS")
+        for n, k in shapes:
+            print(f"N={n} K={k}: " + ", ".join(
+                f"M={m} {by_key[(n, k, m, 'bf16 cuBLAS')] / by_key[(n, k, m, variant)]:.2f}x"
+                for m in ms))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""NVFP4: the format against hand-computed cases, the blocked scale layout against its definition,
+the Triton kernels against the reference (interpreter on the CPU, compiled on the GPU), the CuTe
+DSL kernels compiled for their architectures, and the GPU kernels on Llama shapes."""
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+import pytest
+
+from engine.kernels import nvfp4 as nv
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+# --- the format ----------------------------------------------------------------------------------
+
+def test_decode_all_16_code_points():
+    # Written out by hand from the e2m1 definition: s e1 e0 m, bias 1, subnormal at e = 0.
+    expected = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    got = nv.e2m1_decode(torch.arange(16, dtype=torch.uint8))
+    assert got.tolist() == expected
+
+
+def test_round_trip_every_code_point_exactly():
+    # One row whose first block holds all 16 code values times c, second block random codes:
+    # the tensor amax is 6c, so the tensor scale is 6c/2688 and the first block scale is exactly
+    # 448; every value then sits on a code point and must come back unchanged.
+    c = float(torch.empty(()).uniform_(0.1, 10))
+    values = nv.e2m1_decode(torch.arange(16, dtype=torch.uint8))
+    second = nv.e2m1_decode(torch.randint(0, 16, (16,), dtype=torch.uint8))
+    second[0] = 6.0
+    w = torch.cat([values, second]).unsqueeze(0) * c
+    q = nv.quantize(w)
+    assert q.block_scale.float().tolist() == [[448.0, 448.0]]
+    torch.testing.assert_close(q.tensor_scale, torch.tensor(6 * c / 2688), rtol=1e-6, atol=0)
+    torch.testing.assert_close(nv.dequantize(q), w, rtol=1e-6, atol=0)
+    codes = nv.unpack_nibbles(q.packed)[0, :16]
+    # -0 quantises to +0 (code 0); every other code is recovered.
+    assert codes.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 0, 9, 10, 11, 12, 13, 14, 15]
+
+
+def test_rounding_ties_to_even_and_saturation():
+    midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    # Ties go to the code with mantissa 0: 0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0.
+    assert nv.e2m1_round(midpoints).tolist() == [0, 2, 2, 4, 4, 6, 6]
+    eps = 1e-3
+    assert nv.e2m1_round(midpoints + eps).tolist() == [1, 2, 3, 4, 5, 6, 7]
+    assert nv.e2m1_round(midpoints - eps).tolist() == [0, 1, 2, 3, 4, 5, 6]
+    assert nv.e2m1_round(torch.tensor([6.0, 6.5, 1e6])).tolist() == [7, 7, 7]
+
+
+def test_saturation_at_six_times_the_stored_block_scale():
+    # Block amax 6.2 with tensor scale 1: the block scale 6.2/6 = 1.033 rounds to e4m3 1.0, so
+    # 6.2 exceeds 6 x scale and must saturate to 6, -6.2 to -6; nothing overflows to NaN/inf.
+    w = torch.randn(1, 16) * 0.5
+    w[0, 3], w[0, 9] = 6.2, -6.2
+    q = nv.quantize(w, tensor_scale=torch.tensor(1.0))
+    assert q.block_scale.float().item() == 1.0
+    dq = nv.dequantize(q)
+    assert dq[0, 3].item() == 6.0 and dq[0, 9].item() == -6.0
+    assert torch.isfinite(dq).all()
+
+
+def test_zero_blocks_quantise_to_zero():
+    w = torch.randn(3, 64)
+    w[1, 16:32] = 0
+    w[2, :] = 0
+    q = nv.quantize(w)
+    assert q.block_scale[1, 1].float().item() == 0 and (q.block_scale[2].float() == 0).all()
+    dq = nv.dequantize(q)
+    assert torch.isfinite(dq).all()
+    assert (dq[1, 16:32] == 0).all() and (dq[2] == 0).all()
+    assert (dq[0] != 0).any()
+
+
+def test_nibble_order_low_is_even_k():
+    assert nv.pack_nibbles(torch.tensor([[0x1, 0x2, 0xF, 0x8]], dtype=torch.uint8)).tolist() == [
+        [0x21, 0x8F]]
+
+
+def test_quantisation_error_within_half_a_step():
+    w = torch.randn(48, 256) * torch.rand(48, 1) * 3
+    q = nv.quantize(w)
+    scale = (q.block_scale.float() * q.tensor_scale).repeat_interleave(16, dim=1)
+    a = (w.abs() / scale)
+    # Half the gap between neighbouring code points: 0.25 up to 2, 0.5 up to 4, then 1
+    # (beyond 6 only through e4m3 rounding of the scale, at most 6/16, still under 1).
+    half_step = torch.where(a <= 2, 0.25, torch.where(a <= 4, 0.5, 1.0))
+    assert ((nv.dequantize(q) - w).abs() <= half_step * scale * (1 + 1e-6)).all()
+    assert 0.05 < rel_err(nv.dequantize(q), w) < 0.15  # e2m1 on Gaussian data: about 0.1
+
+
+def test_to_blocked_matches_its_index_definition():
+    rows, cols = 200, 7  # both padded: to 256 rows, 8 columns
+    scales = torch.randint(1, 255, (rows, cols), dtype=torch.uint8)
+    blocked = nv.to_blocked(scales)
+    col_tiles = 2
+    assert blocked.numel() == 256 * 8
+    expected = torch.zeros(256 * 8, dtype=torch.uint8)
+    for r in range(rows):
+        for c in range(cols):
+            tile = (r // 128) * col_tiles + c // 4
+            offset = tile * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+            expected[offset] = scales[r, c]
+    assert torch.equal(blocked, expected)
+
+
+def test_backend_from_dense():
+    w = torch.randn(96, 128, dtype=torch.bfloat16)
+    backend = nv.Nvfp4Weight.from_dense(w)
+    assert backend.weight_bytes() == 96 * 64 + 96 * 8 + 4
+    dq = backend.dequantize()
+    assert dq.dtype == torch.bfloat16 and dq.shape == w.shape
+    x = torch.randn(5, 128, dtype=torch.bfloat16)
+    y = backend.forward(x)
+    ref = x.double() @ nv.dequantize(backend.weight).double().t()
+    assert y.dtype == torch.bfloat16 and rel_err(y, ref) < 5e-3
+
+
+def test_custom_op_matches_reference_and_passes_opcheck():
+    w = nv.quantize(torch.randn(48, 64))
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    args = (x, w.packed, w.block_scale, w.tensor_scale, torch.bfloat16)
+    torch.testing.assert_close(nv.nvfp4_linear_op(*args), nv.nvfp4_linear_reference(x, w))
+    # (test_schema is left out: its input-mutation check cannot compare fp8 tensors on the CPU)
+    torch.library.opcheck(nv.nvfp4_linear_op, args,
+                          test_utils=("test_faketensor", "test_aot_dispatch_static"))
+
+
+# --- the Triton kernels: interpreter on the CPU, compiled on the GPU ----------------------------
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("m,n,k,config", [
+    (3, 70, 128, None),
+    (1, 64, 256, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=2, num_warps=4, num_stages=1)),
+    (20, 40, 192, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=1)),
+])
+def test_triton_matmul_small(m, n, k, config):
+    from engine.kernels.nvfp4_decode import nvfp4_matmul
+    w = nv.quantize(torch.randn(n, k)).to(DEVICE)
+    x = torch.randn(m, k, device=DEVICE).bfloat16()
+    out = torch.full((m, n), float("nan"), device=DEVICE)
+    nvfp4_matmul(x, w, config=config, out=out)
+    ref = x.double() @ nv.dequantize(w).double().t()
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.interpreter
+def test_triton_dequantize_small():
+    from engine.kernels.nvfp4_decode import dequantize_bf16
+    w = nv.quantize(torch.randn(70, 320)).to(DEVICE)
+    got = dequantize_bf16(w, torch.float32)
+    torch.testing.assert_close(got, nv.dequantize(w), rtol=1e-6, atol=0)
+
+
+# --- CuTe DSL kernels, compiled on the CPU ------------------------------------------------------
+
+def compile_in_subprocess(code: str, arch: str) -> str:
+    """Run code with CUTE_DSL_ARCH=arch in a fresh interpreter (the arch is read at import)."""
+    env = dict(os.environ, CUTE_DSL_ARCH=arch)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout
+
+
+needs_cute = pytest.mark.skipif(importlib.util.find_spec("cutlass") is None,
+                                reason="needs nvidia-cutlass-dsl")
+
+
+@needs_cute
+def test_sm100_kernel_compiles_to_block_scaled_tcgen05():
+    out = compile_in_subprocess("""
+        from engine.kernels.cute.nvfp4_gemm_sm100 import compiled_gemm
+        ptx = compiled_gemm(1024, 512).__ptx__
+        for pattern in ("tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale", "tcgen05.cp",
+                        "tcgen05.ld", "cp.async.bulk.tensor", "tcgen05.alloc", ".target sm_100a"):
+            print(pattern, ptx.count(pattern))
+    """, "sm_100a")
+    counts = {line.rsplit(" ", 1)[0]: int(line.rsplit(" ", 1)[1]) for line in out.splitlines()}
+    # A 256-deep k-tile is 4 MMAs of k64, each with e4m3 scales for 16-element blocks.
+    assert counts["tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale"] == 4, counts
+    # Scales staged smem -> TMEM (A and B), accumulator read back, TMA loads of all four tiles.
+    assert counts["tcgen05.cp"] >= 2 and counts["tcgen05.ld"] > 0, counts
+    assert counts["cp.async.bulk.tensor"] >= 4 and counts["tcgen05.alloc"] >= 1, counts
+    assert counts[".target sm_100a"] == 1, counts
+
+
+@needs_cute
+def test_sm90_kernel_compiles_to_wgmma_with_in_register_decode():
+    out = compile_in_subprocess("""
+        from engine.kernels.cute.nvfp4_sm90 import Nvfp4GemmSm90
+        for tile_m in (64, 128):
+            ptx = Nvfp4GemmSm90(tile_m, 1024, 512).compile().__ptx__
+            print(tile_m, ptx.count("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16"),
+                  ptx.count("prmt.b32"), ptx.count("mul.rn.bf16x2"), ptx.count("st.shared.v4"),
+                  ptx.count("cp.async.bulk.tensor.2d"), ptx.count(".target sm_90a"))
+    """, "sm_90a")
+    rows = [list(map(int, line.split())) for line in out.splitlines()]
+    assert [r[0] for r in rows] == [64, 128]
+    for tile_m, wgmma, prmt, bf16x2_mul, st_v4, tma, target in rows:
+        consumer_threads = 128 * (tile_m // 64)
+        words_per_thread = 64 * 128 // 4 // consumer_threads  # 4-byte words of a k-tile's weights
+        # 16 k16 WGMMAs per 256-deep k-tile; per packed word: 12 prmt, 4 scale multiplies, and its
+        # 8 values leave in one 16-byte shared store; TMA loads of x, weights and scales.
+        assert wgmma == 16 and prmt == 12 * words_per_thread, (tile_m, wgmma, prmt)
+        assert bf16x2_mul == 4 * words_per_thread and st_v4 == words_per_thread, (tile_m, st_v4)
+        assert tma >= 3 and target == 1
+
+
+# --- GPU: the Hopper kernels at Llama-3.1-8B shapes ----------------------------------------------
+
+LLAMA_NK = [(6144, 4096), (28672, 4096), (4096, 14336)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", LLAMA_NK)
+def test_gpu_matmul_llama_shapes(n, k):
+    from engine.kernels.nvfp4_decode import nvfp4_matmul
+    w = nv.quantize(torch.randn(n, k, device="cuda") * 0.02)
+    dq = nv.dequantize(w).double()
+    random_ms = torch.randint(2, 4001, (3,)).tolist()
+    for m in [1, 5, 16, 17, 64, 127, 1024, 4000] + random_ms:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ref = x.double() @ dq.t()
+        for out_dtype, tol in ((torch.bfloat16, 5e-3), (torch.float32, 1e-5)):
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=out_dtype)
+            nvfp4_matmul(x, w, out=out)
+            assert not out.isnan().any(), (m, out_dtype)
+            err = rel_err(out, ref)
+            assert err < tol, (m, out_dtype, err)
+
+
+@pytest.mark.gpu
+def test_gpu_tail_n_and_dispatch():
+    # N not a multiple of any tile, M crossing the decode/GEMM boundary; through nvfp4_linear.
+    w = nv.quantize(torch.randn(1000, 4096, device="cuda"))
+    dq = nv.dequantize(w).double()
+    for m in (1, 16, 33, 300):
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+        y = nv.nvfp4_linear(x, w)
+        assert y.dtype == torch.bfloat16 and not y.isnan().any()
+        assert rel_err(y, x.double() @ dq.t()) < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", LLAMA_NK)
+def test_gpu_dequantize_llama_shapes(n, k):
+    from engine.kernels.nvfp4_decode import dequantize_bf16
+    w = nv.quantize(torch.randn(n, k, device="cuda"))
+    out = dequantize_bf16(w, torch.float32)
+    torch.testing.assert_close(out, nv.dequantize(w), rtol=1e-6, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", LLAMA_NK)
+def test_gpu_cute_sm90_llama_shapes(n, k):
+    from engine.kernels.cute.nvfp4_sm90 import nvfp4_gemm_sm90
+    w = nv.quantize(torch.randn(n, k, device="cuda") * 0.02)
+    dq = nv.dequantize(w).double()
+    for m in [1, 17, 64, 65, 200, 1000, 4000] + torch.randint(2, 4001, (2,)).tolist():
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        nvfp4_gemm_sm90(x, w.packed, w.block_scale, w.tensor_scale, out=out)
+        assert not out.isnan().any(), m
+        err = rel_err(out, x.double() @ dq.t())
+        assert err < 5e-3, (m, err)
