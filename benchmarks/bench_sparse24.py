@@ -1,0 +1,258 @@
+"""2:4-sparse FFN vs dense, at Llama-3.1-8B FFN shapes, on one GPU in one run.
+
+Measures, in the same process: the HBM copy bandwidth and the bf16 / fp8 dense GEMM rates (the
+ceilings); then for M in {1, 16, 128, 1024, 8192} the FFN block (gate_up GEMM -> SwiGLU -> down GEMM)
+dense bf16 (cuBLAS) vs 2:4 bf16, and FP8 dense (per-token x per-channel torch._scaled_mm) vs 2:4+FP8,
+eager and as a replayed CUDA graph; then every GEMM variant on its own. Each variant is checked
+against a float reference first. Times are medians of triton.testing.do_bench, which flushes L2
+before every repetition, so weights and activations come from HBM each time.
+
+    PYTHONPATH=. python benchmarks/bench_sparse24.py [--out results.json] [--ms 1,16,128,1024,8192]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from engine.kernels import sparse24 as s24
+from engine.kernels.swiglu import swiglu
+
+HIDDEN, FFN = 4096, 14336
+GEMMS = {"gate_up": (2 * FFN, HIDDEN), "down": (HIDDEN, FFN)}  # name: (N, K)
+T0 = time.time()
+
+
+def log(*a):
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def median_ms(fn, graph=False, rep=60):
+    fn()
+    torch.cuda.synchronize()
+    if graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        fn = g.replay
+    return do_bench(fn, warmup=10, rep=rep, return_mode="median")
+
+
+def try_ms(fn, graph=False):
+    try:
+        return median_ms(fn, graph)
+    except Exception as e:  # report the failing path and go on: the table says n/a
+        log(f"  failed ({'graph' if graph else 'eager'}): {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+        torch.cuda.synchronize()
+        return None
+
+
+def ceilings():
+    n = 1 << 28  # 512 MiB of bf16
+    a = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    copy_ms = median_ms(lambda: b.copy_(a))
+    copy_bw = 2 * a.numel() * 2 / copy_ms * 1e-9  # TB/s, bytes read + written
+    s = 8192
+    x = torch.randn(s, s, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(s, s, device="cuda", dtype=torch.bfloat16)
+    mm_ms = median_ms(lambda: x @ y)
+    x8, y8 = x.to(torch.float8_e4m3fn), y.to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    mm8_ms = median_ms(lambda: torch._scaled_mm(x8, y8, one, one, out_dtype=torch.bfloat16))
+    return {"copy_TBps": copy_bw, "bf16_TFLOPs": 2 * s ** 3 / mm_ms * 1e-9, "fp8_TFLOPs": 2 * s ** 3 / mm8_ms * 1e-9}
+
+
+def rel(out, ref):
+    out = out.float()
+    if not torch.isfinite(out).all():
+        return float("nan")
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+class Weights:
+    """One GEMM's weight in every format the benchmark compares."""
+
+    def __init__(self, n, k, gen):
+        self.n, self.k = n, k
+        self.dense = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+        self.pruned = s24.prune_24(self.dense)
+        self.q8, self.s8 = s24.quantize_fp8_rows(self.dense)
+        self.sp = s24.Sparse24Weight.from_dense(self.pruned)
+        self.sp8 = s24.Sparse24Fp8Weight.from_dense(self.pruned)
+        self.q8t = self.q8.t()
+        try:
+            from torch.sparse import to_sparse_semi_structured
+            self.torch_sparse = to_sparse_semi_structured(self.pruned)
+        except Exception as e:
+            log(f"to_sparse_semi_structured: {type(e).__name__}: {e}")
+            self.torch_sparse = None
+
+    def fp8_dense(self, x):
+        q, s = s24.quantize_act_fp8(x)
+        return torch._scaled_mm(q, self.q8t, s[:, None], self.s8[None, :], out_dtype=torch.bfloat16)
+
+    def variants(self):
+        """name -> (fn, reference weight for the check, tolerance)."""
+        sp, sp8 = self.sp, self.sp8
+        v = {
+            "dense bf16 (cuBLAS)": (lambda x: F.linear(x, self.dense), self.dense, 8e-3),
+            "2:4 auto": (sp.forward, self.pruned, 8e-3),
+            "2:4 triton": (sp.decode, self.pruned, 8e-3),
+        }
+        if sp.packed is not None:
+            v["2:4 cuSPARSELt x^T view"] = (sp.prefill, self.pruned, 8e-3)
+            v["2:4 cuSPARSELt x^T copy"] = (
+                lambda x: s24.cslt_mm(sp.packed, x, self.n, contiguous_b=True), self.pruned, 8e-3)
+        if self.torch_sparse is not None:
+            v["2:4 torch semi_structured"] = (lambda x: F.linear(x, self.torch_sparse), self.pruned, 8e-3)
+        w8 = sp8.dequantize()
+        v["fp8 dense (_scaled_mm)"] = (self.fp8_dense, (self.q8.float() * self.s8[:, None]), 6e-2)
+        v["2:4+fp8 auto"] = (sp8.forward, w8, 6e-2)
+        v["2:4+fp8 triton (w-only)"] = (sp8.decode, w8, 8e-3)
+        if sp8.packed is not None:
+            v["2:4+fp8 torchao CUTLASS"] = (sp8.prefill, w8, 6e-2)
+        return v
+
+
+def ffn_blocks(w):
+    gu, dn = w["gate_up"], w["down"]
+    return {
+        "dense bf16": lambda x: F.linear(swiglu(F.linear(x, gu.dense)), dn.dense),
+        "2:4 bf16": lambda x: dn.sp.forward(swiglu(gu.sp.forward(x))),
+        "fp8 dense": lambda x: dn.fp8_dense(swiglu(gu.fp8_dense(x))),
+        "2:4+fp8": lambda x: dn.sp8.forward(swiglu(gu.sp8.forward(x))),
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--ms", default="1,16,128,1024,8192")
+    args = ap.parse_args()
+    ms = [int(m) for m in args.ms.split(",")]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    props = torch.cuda.get_device_properties(0)
+    res = {"device": props.name, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    log(res)
+    res["ceilings"] = cl = ceilings()
+    log("ceilings", {k: round(v, 2) for k, v in cl.items()})
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = {name: Weights(n, k, gen) for name, (n, k) in GEMMS.items()}
+    for name, wt in w.items():
+        sp, sp8 = wt.sp, wt.sp8
+        log(f"{name}: cuSPARSELt bf16 {'yes' if sp.packed is not None else 'NO'}, values shared with it: "
+            f"{sp.packed is not None and sp.values.data_ptr() == sp.packed.data_ptr()}; torchao fp8: "
+            f"{sp8.packed is not None}, values shared: {sp8.packed is not None and sp8.values.data_ptr() == sp8.packed.data_ptr()}; "
+            f"weight bytes dense {wt.dense.numel() * 2 / 1e6:.1f} MB, 2:4 {sp.weight_bytes() / 1e6:.1f} MB, "
+            f"2:4+fp8 {sp8.weight_bytes() / 1e6:.1f} MB")
+
+    # Correctness of every variant at every M, fresh inputs, before any timing.
+    res["check"] = checks = {}
+    for m in ms:
+        for name, wt in w.items():
+            x = torch.randn(m, wt.k, device="cuda", dtype=torch.bfloat16)
+            for vname, (fn, wref, tol) in wt.variants().items():
+                try:
+                    err = rel(fn(x), x.float() @ wref.float().t())
+                except Exception as e:
+                    log(f"check {name} M={m} {vname}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+                    err = None
+                checks[f"{name}|{m}|{vname}"] = err
+                if err is None or not err < tol:
+                    log(f"CHECK FAIL {name} M={m} {vname}: rel err {err} (tol {tol})")
+    bad = [k for k, e in checks.items() if e is not None and not e < 6e-2]
+    log(f"checks: {len(checks)} run, {sum(e is None for e in checks.values())} unavailable, {len(bad)} over tolerance")
+
+    # Eager first, CUDA graphs second: a path that cannot be captured must not cost the eager numbers.
+    res["ffn"] = ffn = {}
+    res["gemm"] = gemm = {}
+    for mode in ("eager", "graph"):
+        graph = mode == "graph"
+        for m in ms:
+            x = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
+            for bname, fn in ffn_blocks(w).items():
+                ffn.setdefault(f"{m}|{bname}", {})[mode] = try_ms(lambda: fn(x), graph)
+            log(f"FFN {mode} M={m}: " + ", ".join(f"{b} {fmt(ffn[f'{m}|{b}'][mode])}" for b in ffn_blocks(w)))
+        res["dispatch"] = {str(k): v for k, v in s24._PATH.items()}
+        res["tuned"] = {str(k): v for k, v in s24._TUNED.items()}
+        res["tune_times"] = {str(k): {str(c): t for c, t in v.items()} for k, v in s24.TUNE_TIMES.items()}
+        res["cslt_alg"] = {str(k): v for k, v in s24._CSLT_ALG.items()}
+        res["cslt_search_errors"] = {str(k): v for k, v in s24.CSLT_SEARCH_ERRORS.items()}
+        for m in ms:
+            for name, wt in w.items():
+                x = torch.randn(m, wt.k, device="cuda", dtype=torch.bfloat16)
+                for vname, (fn, _, _) in wt.variants().items():
+                    gemm.setdefault(f"{name}|{m}|{vname}", {"eager": None, "graph": None})[mode] = try_ms(
+                        lambda: fn(x), graph)
+            log(f"GEMMs {mode} M={m} done")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
+        report(res, w, ms)
+
+
+def fmt(t):
+    return "n/a" if t is None else f"{t * 1e3:.1f}"
+
+
+def report(res, w, ms):
+    cl = res["ceilings"]
+    print(f"\n## 2:4-sparse FFN, Llama-3.1-8B shapes — {res['device']}, torch {res['torch']}, {res['date']}\n")
+    print(f"Ceilings measured in this run: HBM copy {cl['copy_TBps']:.2f} TB/s (read+write), "
+          f"bf16 GEMM {cl['bf16_TFLOPs']:.0f} TFLOP/s, fp8 GEMM {cl['fp8_TFLOPs']:.0f} TFLOP/s (8192^3).\n")
+    print("FFN block (gate_up -> SwiGLU -> down), median us, eager / CUDA graph; speedups from the graph"
+          " times (eager where no graph):\n")
+    print("| M | dense bf16 | 2:4 bf16 | x | fp8 dense | x | 2:4+fp8 | x vs bf16 | x vs fp8 |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for m in ms:
+        r = {b: res["ffn"][f"{m}|{b}"] for b in ("dense bf16", "2:4 bf16", "fp8 dense", "2:4+fp8")}
+
+        def sx(a, b):
+            ta, tb = r[a].get("graph") or r[a].get("eager"), r[b].get("graph") or r[b].get("eager")
+            return "n/a" if ta is None or tb is None else f"{ta / tb:.2f}"
+        cells = [f"{fmt(v.get('eager'))} / {fmt(v.get('graph'))}" for v in r.values()]
+        print(f"| {m} | {cells[0]} | {cells[1]} | {sx('dense bf16', '2:4 bf16')} | {cells[2]} | "
+              f"{sx('dense bf16', 'fp8 dense')} | {cells[3]} | {sx('dense bf16', '2:4+fp8')} | {sx('fp8 dense', '2:4+fp8')} |")
+    print("\nDispatch chosen by timing (kind, N, K, M bucket):", res["dispatch"])
+    print("Decode-kernel configs chosen (M bucket, N, K, x dtype, value dtype, scaled):", res["tuned"])
+    print("Decode-kernel candidates, median us:")
+    for key, times in res["tune_times"].items():
+        print(f"  {key}: " + ", ".join(f"{c} {t * 1e3:.1f}" for c, t in sorted(times.items(), key=lambda i: i[1])))
+    print("cuSPARSELt algorithms (N, K, dtype, M bucket, contiguous x^T, alpha):", res["cslt_alg"])
+    print("cuSPARSELt search errors:", res["cslt_search_errors"])
+    print("\nPer GEMM, median us (eager and CUDA graph), dense-equivalent TFLOP/s and bytes moved (weight +"
+          " activations) per second, from the faster of the two, as fractions of the measured ceilings:\n")
+    print("| GEMM | M | variant | us eager | us graph | TFLOP/s | %bf16 peak | weight+act GB/s | %HBM | rel err |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for key, t in res["gemm"].items():
+        name, m, vname = key.split("|")
+        m = int(m)
+        wt = w[name]
+        best = min([v for v in (t["eager"], t["graph"]) if v is not None], default=None)
+        if best is None:
+            print(f"| {name} | {m} | {vname} | n/a | n/a | | | | | |")
+            continue
+        flops = 2 * m * wt.n * wt.k
+        wbytes = (wt.dense.numel() * 2 if vname.startswith("dense") else wt.dense.numel() if vname.startswith("fp8 dense")
+                  else wt.sp8.weight_bytes() if "fp8" in vname else wt.sp.weight_bytes())
+        act_bytes = m * (wt.k + wt.n) * 2
+        gbs = (wbytes + act_bytes) / best * 1e-6
+        err = res["check"].get(key)
+        print(f"| {name} | {m} | {vname} | {fmt(t['eager'])} | {fmt(t['graph'])} | {flops / best * 1e-9:.0f} | "
+              f"{100 * flops / best * 1e-9 / res['ceilings']['bf16_TFLOPs']:.0f}% | {gbs:.0f} | "
+              f"{100 * gbs / 1e3 / res['ceilings']['copy_TBps']:.0f}% | {'n/a' if err is None else f'{err:.1e}'} |")
+
+
+if __name__ == "__main__":
+    main()

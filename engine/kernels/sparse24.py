@@ -1,0 +1,419 @@
+"""2:4 structured sparsity for FFN weights: pruning, compressed storage, kernels and linear backends.
+
+W [N, K] keeps 2 of every 4 consecutive entries along K (the input dimension). Stored compressed:
+the kept values [N, K/2] plus a 4-bit nibble per group (two 2-bit positions), 56% of dense bf16.
+
+Two regimes, two kinds of kernel, one dispatch:
+- decode (small M): `sparse24_mm`, Triton kernels (sparse24_triton.py) that stream the compressed
+  weight, ~56% of the dense bytes with bf16 values or ~31% with fp8 values (weight-only: the
+  activations stay bf16): a CUDA-core FMA kernel and two tensor-core ones, tuned per shape
+  (measured on an H200: the FMA kernel wins at M = 1, the tensor-core weight-tile kernel at M = 16).
+- prefill (large M): sparse tensor cores. bf16 goes through cuSPARSELt (torch._cslt_sparse_mm) with
+  the weight compressed once at load and the algorithm searched once per shape; FP8 goes through
+  torchao's CUTLASS sm90 2:4 kernel with per-token activation scales.
+The bf16 backend picks the path per M bucket by timing both on the device the first time a bucket is
+seen (outside CUDA-graph capture). The FP8 backend always takes the CUTLASS kernel where it loads:
+measured on an H200 it wins at every M, decode included.
+Where cuSPARSELt's (or torchao's) buffer starts with the kept values in plain row-major order
+(checked at load; true on torch 2.11 / torchao 0.18), the decode kernels read them from that buffer,
+so the values are stored once: `values` is then a view into `packed`.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.linear import LinearBackend
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+# ----------------------------------------------------------------------------- pruning
+
+def wanda_score(w: torch.Tensor, act_norm: torch.Tensor) -> torch.Tensor:
+    """Wanda importance |W_ij| * ||X_j||_2: act_norm [K] is the L2 norm of input channel j over calibration tokens."""
+    return w.float().abs() * act_norm.float().reshape(1, -1)
+
+
+def _top2_positions(key: torch.Tensor) -> torch.Tensor:
+    """For key [N, K], the 2 largest per group of 4 as positions [N, K/4, 2], ascending; ties -> lower index."""
+    groups = key.reshape(key.shape[0], -1, 4)
+    order = torch.argsort(groups, dim=-1, descending=True, stable=True)
+    return order[..., :2].sort(dim=-1).values
+
+
+def is_24_sparse(w: torch.Tensor) -> bool:
+    """True when every group of 4 consecutive entries along K has at most 2 nonzeros."""
+    if w.dim() != 2 or w.shape[1] % 4:
+        return False
+    return bool(((w != 0).reshape(w.shape[0], -1, 4).sum(-1) <= 2).all())
+
+
+def prune_24(w: torch.Tensor, score: torch.Tensor | None = None) -> torch.Tensor:
+    """Keep the 2 largest-|score| entries of each group of 4 along K (score defaults to |w|)."""
+    if w.dim() != 2 or w.shape[1] % 4:
+        raise ValueError(f"2:4 pruning needs a 2-D weight with K % 4 == 0, got {tuple(w.shape)}")
+    key = (w if score is None else score).float().abs()
+    pos = _top2_positions(key)
+    mask = torch.zeros(w.shape[0], w.shape[1] // 4, 4, dtype=torch.bool, device=w.device)
+    mask.scatter_(-1, pos, True)
+    return w * mask.reshape(w.shape).to(w.dtype)
+
+
+# ----------------------------------------------------------------------------- storage
+
+@dataclass
+class Sparse24Tensor:
+    """A 2:4 matrix [N, K]: values [N, K/2] (kept entries, ascending position in each group) and
+    meta [N, K/8] uint8 (nibble i0 | i1 << 2 per group, even group in the low nibble)."""
+    values: torch.Tensor
+    meta: torch.Tensor
+    shape: tuple[int, int]
+
+    def nbytes(self) -> int:
+        return self.values.numel() * self.values.element_size() + self.meta.numel()
+
+
+def compress_24(w: torch.Tensor) -> Sparse24Tensor:
+    """Compress a matrix that is already 2:4 along K (K % 8 == 0). Exact: decompress_24 gives w back."""
+    if w.dim() != 2 or w.shape[1] % 8:
+        raise ValueError(f"compress_24 needs a 2-D weight with K % 8 == 0, got {tuple(w.shape)}")
+    if not is_24_sparse(w):
+        raise ValueError("compress_24 needs a 2:4-sparse weight: call prune_24 first")
+    n, k = w.shape
+    pos = _top2_positions((w != 0).to(torch.int8))  # nonzeros first; zero groups keep positions 0, 1
+    values = torch.gather(w.reshape(n, k // 4, 4), -1, pos).reshape(n, k // 2)
+    nib = (pos[..., 0] | (pos[..., 1] << 2)).to(torch.uint8).reshape(n, k // 8, 2)
+    meta = nib[..., 0] | (nib[..., 1] << 4)
+    return Sparse24Tensor(values.contiguous(), meta.contiguous(), (n, k))
+
+
+def _positions(meta: torch.Tensor) -> torch.Tensor:
+    """meta [N, K/8] uint8 -> kept positions [N, K/4, 2] int64."""
+    nib = torch.stack([meta & 15, meta >> 4], dim=-1).reshape(meta.shape[0], -1).long()
+    return torch.stack([nib & 3, nib >> 2], dim=-1)
+
+
+def decompress_24(t: Sparse24Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The dense [N, K] matrix (in `dtype`, default the values' dtype)."""
+    n, k = t.shape
+    dtype = dtype or t.values.dtype
+    values = t.values.to(dtype)
+    if dtype.itemsize == 1:  # scatter has no float8 kernels: move the bytes
+        values = values.view(torch.uint8)
+    dense = torch.zeros(n, k // 4, 4, dtype=values.dtype, device=values.device)
+    dense.scatter_(-1, _positions(t.meta), values.reshape(n, k // 4, 2))
+    return dense.reshape(n, k).view(dtype)
+
+
+def sparse24_linear_ref(x: torch.Tensor, t: Sparse24Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference y = x @ (W * scale[:, None])^T in fp32 from the decompressed weight, cast to x.dtype."""
+    w = decompress_24(t, torch.float32)
+    if scale is not None:
+        w = w * scale.float().reshape(-1, 1)
+    return (x.float() @ w.t()).to(x.dtype)
+
+
+def quantize_fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row e4m3 quantization: (q, scale) with w ~= q * scale[:, None], scale = amax/448 (fp32)."""
+    scale = w.float().abs().amax(dim=1).clamp_min(1e-12) / FP8_MAX
+    q = (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+# ----------------------------------------------------------------------------- decode kernel
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# Launch candidates per M bucket: (kernel, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages).
+# The first of each list is the untuned default (CPU interpreter, CUDA-graph capture); the tuner
+# times them all on first use of a (bucket, N, K, dtypes) and keeps the fastest.
+_DECODE_CONFIGS = {
+    1: [("fma", 1, 32, 256, 1, 4, 1), ("fma", 1, 64, 256, 1, 4, 1), ("fma", 1, 16, 512, 1, 4, 1),
+        ("fma", 1, 32, 512, 1, 4, 1), ("fma", 1, 16, 256, 2, 4, 1), ("fma", 1, 64, 512, 1, 8, 1),
+        ("fma", 1, 32, 256, 1, 4, 3),
+        ("wtile", 16, 64, 256, 1, 4, 3), ("wtile", 16, 128, 128, 1, 4, 3), ("xsplit", 16, 32, 256, 1, 4, 3)],
+    4: [("fma", 4, 32, 256, 1, 4, 1), ("fma", 4, 16, 256, 1, 4, 1), ("fma", 4, 32, 128, 1, 4, 1),
+        ("wtile", 16, 64, 256, 1, 4, 3), ("wtile", 16, 128, 128, 1, 4, 3), ("xsplit", 16, 32, 256, 1, 4, 3)],
+    16: [("wtile", 16, 64, 256, 1, 4, 3), ("wtile", 16, 128, 128, 1, 4, 3), ("wtile", 16, 64, 128, 1, 4, 4),
+         ("wtile", 16, 128, 256, 1, 8, 3), ("wtile", 16, 64, 256, 2, 4, 3), ("xsplit", 16, 32, 256, 1, 4, 3),
+         ("xsplit", 16, 32, 256, 4, 4, 3)],
+    32: [("wtile", 32, 64, 256, 1, 4, 3), ("wtile", 32, 128, 128, 1, 4, 3), ("xsplit", 32, 32, 256, 1, 4, 3)],
+    64: [("wtile", 64, 128, 128, 1, 8, 3), ("wtile", 64, 64, 128, 1, 4, 3), ("xsplit", 64, 64, 128, 1, 4, 3)],
+    128: [("wtile", 128, 128, 64, 1, 8, 3), ("wtile", 64, 128, 128, 1, 8, 3), ("xsplit", 128, 128, 128, 1, 8, 3),
+          ("xsplit", 128, 64, 128, 1, 8, 3)],
+}
+_TUNED: dict[tuple, tuple] = {}
+TUNE_TIMES: dict[tuple, dict] = {}  # every candidate's median ms, for the benchmark's report
+
+
+def _m_bucket(m: int) -> int:
+    return 1 if m == 1 else 4 if m <= 4 else 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+
+
+def _launch(x, values, meta, scale, cfg, out=None):
+    from engine.kernels import sparse24_triton as kernels
+    kind, bm, bn, bk, split_k, warps, stages = cfg
+    m, k = x.shape
+    n = values.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    # Split-K partial sums meet in a zeroed fp32 buffer by atomics; one pass writes `out` directly.
+    y = torch.zeros(m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
+    kernel = {"fma": kernels.sparse24_fma_kernel, "wtile": kernels.sparse24_wtile_kernel,
+              "xsplit": kernels.sparse24_xsplit_kernel}[kind]
+    extra = {} if kind == "fma" else {"DOT_FP32": _interpreting()}
+    kernel[(triton_cdiv(n, bn), triton_cdiv(m, bm), split_k)](
+        x, values, meta, scale if scale is not None else values, y, m, n, k,
+        x.stride(0), values.stride(0), meta.stride(0), y.stride(0),
+        HAS_SCALE=scale is not None, SPLIT_K=split_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=warps, num_stages=stages, **extra)
+    if split_k > 1:
+        out.copy_(y)
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def sparse24_mm(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
+                scale: torch.Tensor | None = None, config: tuple | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W^T, W 2:4-compressed (values bf16 or fp8 [N, K/2], meta [N, K/8]),
+    times scale[N] per output channel if given, written to `out` if given (contiguous [M, N]).
+    The launch configuration is tuned per (M bucket, N, K, dtypes) on first use."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if config is not None:
+        return _launch(x, values, meta, scale, config, out)
+    bucket = _m_bucket(x.shape[0])
+    key = (bucket, values.shape[0], x.shape[1], x.dtype, values.dtype, scale is not None)
+    cfg = _TUNED.get(key)
+    if cfg is None:
+        candidates = _DECODE_CONFIGS[bucket]
+        if _interpreting() or not x.is_cuda or torch.cuda.is_current_stream_capturing():
+            return _launch(x, values, meta, scale, candidates[0], out)
+        TUNE_TIMES[key] = {c: _time_ms(lambda: _launch(x, values, meta, scale, c)) for c in candidates}
+        cfg = _TUNED[key] = min(candidates, key=TUNE_TIMES[key].get)
+    return _launch(x, values, meta, scale, cfg, out)
+
+
+def _time_ms(fn) -> float:
+    from triton.testing import do_bench
+    try:
+        return do_bench(fn, warmup=5, rep=20, return_mode="median")
+    except Exception:  # a config the compiler or the GPU rejects (shared memory, registers)
+        return float("inf")
+
+
+def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token e4m3 activations (q [M, K], scale fp32 [M]), one Triton pass on CUDA."""
+    if not x.is_cuda:
+        return quantize_fp8_rows(x)
+    from engine.kernels.sparse24_triton import quantize_fp8_rows_kernel
+    m, k = x.shape
+    x = x.contiguous()
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(m, dtype=torch.float32, device=x.device)
+    block = max(16, 1 << (k - 1).bit_length())
+    quantize_fp8_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), BLOCK_K=block,
+                                   num_warps=8 if block >= 4096 else 4)
+    return q, s
+
+
+# ----------------------------------------------------------------------------- prefill paths
+
+_CSLT_ALG: dict[tuple, int] = {}
+CSLT_SEARCH_ERRORS: dict[tuple, str] = {}  # layouts whose algorithm search failed (they run alg 0)
+
+
+def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    pad = -x.shape[0] % multiple
+    return F.pad(x, (0, 0, 0, pad)) if pad else x
+
+
+def cslt_mm(packed: torch.Tensor, x: torch.Tensor, n: int, contiguous_b: bool = False) -> torch.Tensor:
+    """y [M, n] = x @ W^T on cuSPARSELt, W compressed by torch._cslt_compress. The dense operand is
+    x^T: a transposed view of x (no copy) or, with contiguous_b, a row-major copy of x^T.
+    The algorithm is searched once per (shape, M bucket, layout) and cached."""
+    m = x.shape[0]
+    xp = _pad_rows(x.contiguous(), 8)
+    b = xp.t().contiguous() if contiguous_b else xp.t()
+    key = (n, x.shape[1], x.dtype, 1 << (xp.shape[0] - 1).bit_length(), contiguous_b)
+    alg = _CSLT_ALG.get(key)
+    if alg is None:
+        alg = 0
+        if not torch.cuda.is_current_stream_capturing():
+            try:
+                alg = int(torch._cslt_sparse_mm_search(packed, b, transpose_result=True))
+            except RuntimeError as e:  # the search failed for this layout: keep the default algorithm
+                CSLT_SEARCH_ERRORS[key] = str(e).splitlines()[0][:200]
+            _CSLT_ALG[key] = alg
+    return torch._cslt_sparse_mm(packed, b, transpose_result=True, alg_id=alg)[:m]
+
+
+def _sparse_tc_shape(n: int, k: int) -> bool:
+    """Shapes the sparse-tensor-core libraries take (cuSPARSELt: N, K multiples of 16 for bf16 and
+    32 for fp8; torchao CUTLASS: K multiple of 32): N % 32 == 0 and K % 64 == 0 covers both."""
+    return n % 32 == 0 and k % 64 == 0
+
+
+def _cslt_compress(dense: torch.Tensor) -> torch.Tensor | None:
+    if not _sparse_tc_shape(*dense.shape):
+        return None
+    try:
+        return torch._cslt_compress(dense)
+    except (RuntimeError, AttributeError):
+        return None  # no cuSPARSELt in this build, or this dtype/shape is unsupported
+
+
+def _values_view(packed: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
+    """`values` itself, or the identical plain-order prefix of cuSPARSELt's buffer (then stored once)."""
+    if packed is None:
+        return values
+    prefix = packed.reshape(-1)[: values.numel()]
+    if prefix.dtype == values.dtype and torch.equal(prefix.view(torch.uint8), values.reshape(-1).view(torch.uint8)):
+        return prefix.view(values.shape)
+    return values
+
+
+def _torchao_sparse_fp8():
+    try:
+        import torchao.ops as ops
+        return ops.to_sparse_semi_structured_cutlass_sm9x_f8, ops.rowwise_scaled_linear_sparse_cutlass_f8f8
+    except (ImportError, AttributeError):
+        return None
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+# Per (N, K, M bucket): "decode" (Triton) or "prefill" (cuSPARSELt) for bf16 2:4, measured on first
+# sight of a bucket. The timing is eager, so it counts cuSPARSELt's ~0.5 ms of host work per call
+# (descriptor and plan set up on every call); inside a CUDA graph that cost is gone, and measured on
+# an H200 cuSPARSELt then beats the Triton kernels from M = 16 up while they win at M = 1.
+_PATH: dict[tuple, str] = {}
+DECODE_MAX_M = 4  # capture with no timing yet: Triton measured faster at M = 1, cuSPARSELt at M = 16
+
+
+def _dispatch_bucket(m: int) -> int:
+    return 1 << max(0, (m - 1).bit_length())
+
+
+def _choose(kind: tuple, x: torch.Tensor, decode, prefill):
+    m = x.shape[0]
+    key = kind + (_dispatch_bucket(m),)
+    path = _PATH.get(key)
+    if path is None:
+        if torch.cuda.is_current_stream_capturing():
+            return decode(x) if m <= DECODE_MAX_M else prefill(x)
+        t_dec, t_pre = _time_ms(lambda: decode(x)), _time_ms(lambda: prefill(x))
+        path = _PATH[key] = "decode" if t_dec <= t_pre else "prefill"
+    return decode(x) if path == "decode" else prefill(x)
+
+
+# ----------------------------------------------------------------------------- backends
+
+class Sparse24Weight(LinearBackend):
+    """bf16 2:4 weight. CPU: reference matmul. CUDA: Triton decode kernel or cuSPARSELt, by measurement."""
+    name = "2:4"
+
+    def __init__(self, t: Sparse24Tensor):
+        self.out_features, self.in_features = t.shape
+        self.meta = t.meta
+        self.packed = None
+        if t.values.is_cuda:
+            self.packed = _cslt_compress(decompress_24(t))
+        self.values = _values_view(self.packed, t.values)
+
+    @classmethod
+    def from_dense(cls, w: torch.Tensor, score: torch.Tensor | None = None) -> "Sparse24Weight":
+        if not is_24_sparse(w):  # a checkpoint that is already 2:4 is kept exactly
+            w = prune_24(w, score)
+        return cls(compress_24(w))
+
+    @property
+    def tensor(self) -> Sparse24Tensor:
+        return Sparse24Tensor(self.values, self.meta, (self.out_features, self.in_features))
+
+    def decode(self, x):
+        return sparse24_mm(x, self.values, self.meta)
+
+    def prefill(self, x):
+        return cslt_mm(self.packed, x, self.out_features)
+
+    def forward(self, x):
+        if not x.is_cuda:
+            return sparse24_linear_ref(x, self.tensor)
+        if self.packed is None:
+            return self.decode(x)
+        return _choose(("bf16", self.out_features, self.in_features), x, self.decode, self.prefill)
+
+    def dequantize(self):
+        return decompress_24(self.tensor)
+
+    def weight_bytes(self):
+        return self.tensor.nbytes()
+
+
+class Sparse24Fp8Weight(LinearBackend):
+    """2:4 weight with e4m3 values and a per-output-channel fp32 scale.
+    All M: torchao's CUTLASS sm90 2:4 FP8 GEMM (sparse wgmma) with per-token activation scales (the
+    quantizer is one Triton pass). Where torchao's kernel is missing: the Triton kernels, fp8 values
+    widened in registers (activations stay bf16). cuSPARSELt FP8 is not an option here: on torch
+    2.11 its per-channel alpha (CUSPARSELT_MATMUL_ALPHA_VECTOR_SCALING) fails, 'operation not supported'."""
+    name = "2:4+fp8"
+
+    def __init__(self, t: Sparse24Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16):
+        self.out_features, self.in_features = t.shape
+        self.meta, self.scale, self.dtype = t.meta, scale.float().contiguous(), dtype
+        self.packed = self.ao_meta = None
+        values = t.values
+        ao = _torchao_sparse_fp8()
+        sm90 = values.is_cuda and torch.cuda.get_device_capability(values.device)[0] == 9
+        if sm90 and ao is not None and _sparse_tc_shape(*t.shape):  # the kernel is built for sm90 only
+            try:
+                self.packed, self.ao_meta = ao[0](decompress_24(t))
+                values = _values_view(self.packed, values)
+            except RuntimeError:
+                self.packed = None  # a shape or build the kernel does not take
+        self.values = values
+
+    @classmethod
+    def from_dense(cls, w: torch.Tensor, score: torch.Tensor | None = None) -> "Sparse24Fp8Weight":
+        if not is_24_sparse(w):  # a checkpoint that is already 2:4 is kept exactly
+            w = prune_24(w, score)
+        t = compress_24(w)
+        q, scale = quantize_fp8_rows(t.values)
+        return cls(Sparse24Tensor(q, t.meta, t.shape), scale, w.dtype)
+
+    @property
+    def tensor(self) -> Sparse24Tensor:
+        return Sparse24Tensor(self.values, self.meta, (self.out_features, self.in_features))
+
+    def decode(self, x):
+        return sparse24_mm(x, self.values, self.meta, self.scale)
+
+    def prefill(self, x):
+        q, s = quantize_act_fp8(x)
+        return _torchao_sparse_fp8()[1](q, s, self.packed, self.ao_meta, self.scale, None, x.dtype)
+
+    def forward(self, x):
+        if not x.is_cuda:
+            return sparse24_linear_ref(x, self.tensor, self.scale)
+        # Measured on an H200 at both Llama-8B FFN shapes, the CUTLASS kernel (with the activation
+        # quantization) beats the weight-only Triton kernels at every M from 1 to 8192, so there is
+        # nothing to time: Triton runs only where torchao's kernel is missing.
+        return self.prefill(x) if self.packed is not None else self.decode(x)
+
+    def dequantize(self):
+        return (decompress_24(self.tensor, torch.float32) * self.scale[:, None]).to(self.dtype)
+
+    def weight_bytes(self):
+        return self.tensor.nbytes() + self.scale.numel() * 4
+
