@@ -1,0 +1,444 @@
+"""serve.py end to end: the real server in a subprocess on 127.0.0.1 (the embedded SmolLM2 model on the
+CPU), driven by the official openai client and, for the malformed cases, by raw HTTP.
+
+Two servers per module, started in parallel with the in-process reference LLM: the main one, and one
+with --api-key that the SIGTERM test shuts down at the end.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from engine import LLM, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "llama"
+MAX_MODEL_LEN = 512
+API_KEY = "test-key-3f9a"
+STARTUP_TIMEOUT_S = 240        # the model loads in seconds, but CI cores are shared
+GREEDY = dict(temperature=0.0, max_tokens=12)
+
+
+class Server:
+    def __init__(self, *extra: str):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="serve-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "serve.py"), "--model", MODEL, "--port", str(self.port),
+             "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-tokens", "8192", *extra],
+            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+            env={k: v for k, v in os.environ.items() if k != "MICROENGINE_API_KEY"})
+
+    def wait_healthy(self):
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.output()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        pytest.fail(f"server not healthy within {STARTUP_TIMEOUT_S}s:\n{self.output()[-3000:]}")
+
+    def output(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+@pytest.fixture(scope="module")
+def servers():
+    main, keyed = Server(), Server("--api-key", API_KEY, "--shutdown-timeout", "3")
+    try:
+        yield main, keyed
+    finally:
+        main.stop()
+        keyed.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(servers):
+    llm = LLM(MODEL, max_model_len=MAX_MODEL_LEN, kv_cache_tokens=8192)   # loads while the servers do
+    for s in servers:
+        s.wait_healthy()
+    yield llm
+    llm.shutdown(5)
+
+
+@pytest.fixture(scope="module")
+def server(servers, reference):
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def keyed_server(servers, reference):
+    return servers[1]
+
+
+def client(server: Server, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def metrics(server: Server, headers=None) -> dict[str, float]:
+    text = httpx.get(server.url + "/metrics", headers=headers, timeout=30).text
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+
+COMPLETION_PROMPT = "The three primary colors are"
+CHAT = [{"role": "system", "content": "You answer in one short sentence."},
+        {"role": "user", "content": "What is the capital of Italy?"}]
+
+
+def test_completion_matches_generate(server, reference):
+    ref = reference.generate([COMPLETION_PROMPT], SamplingParams(**GREEDY))[0]
+    c = client(server)
+    out = c.completions.create(model=MODEL, prompt=COMPLETION_PROMPT, **GREEDY)
+    assert out.choices[0].text == ref.text
+    assert out.choices[0].finish_reason == ref.finish_reason
+    assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert out.usage.completion_tokens == len(ref.token_ids)
+
+    text, finish, usage = "", None, None
+    for chunk in c.completions.create(model=MODEL, prompt=COMPLETION_PROMPT, stream=True,
+                                      stream_options={"include_usage": True}, **GREEDY):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            text += ch.text
+            finish = ch.finish_reason or finish
+    assert (text, finish) == (ref.text, ref.finish_reason)
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(ref.prompt_token_ids), len(ref.token_ids))
+
+
+def test_chat_matches_chat(server, reference):
+    ref = reference.chat(CHAT, SamplingParams(**GREEDY))
+    c = client(server)
+    out = c.chat.completions.create(model=MODEL, messages=CHAT, **GREEDY)
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == ref.text
+    assert out.choices[0].finish_reason == ref.finish_reason
+    assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert out.usage.completion_tokens == len(ref.token_ids)
+
+    parts, finish, usage = [], None, None
+    for chunk in c.chat.completions.create(model=MODEL, messages=CHAT, stream=True,
+                                           stream_options={"include_usage": True}, **GREEDY):
+        usage = chunk.usage or usage
+        for ch in chunk.choices:
+            parts.append(ch.delta.content or "")
+            finish = ch.finish_reason or finish
+    assert ("".join(parts), finish) == (ref.text, ref.finish_reason)
+    assert usage.completion_tokens == len(ref.token_ids)
+
+
+def test_max_completion_tokens_stop_and_logprobs(server, reference):
+    c = client(server)
+    ref = reference.chat(CHAT, SamplingParams(temperature=0, max_tokens=6, logprobs=2))
+    out = c.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_completion_tokens=6,
+                                    logprobs=True, top_logprobs=2)
+    content = out.choices[0].logprobs.content
+    assert out.choices[0].message.content == ref.text
+    assert [e.logprob for e in content] == pytest.approx([lp.logprob for lp in ref.logprobs], abs=1e-4)
+    for entry in content:       # greedy: the chosen token is the most likely one
+        assert len(entry.top_logprobs) == 2 and entry.token == entry.top_logprobs[0].token
+
+    full = reference.generate([COMPLETION_PROMPT], SamplingParams(**GREEDY))[0].text
+    stop = full.strip().split()[1]       # a word inside the greedy output: the text must end before it
+    out = c.completions.create(model=MODEL, prompt=COMPLETION_PROMPT, stop=[stop], **GREEDY)
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text == full[:full.index(stop)]
+
+
+def test_n_choices_use_seed_plus_index(server, reference):
+    sampled = dict(temperature=0.9, top_p=0.95, max_tokens=8)
+    refs = [reference.generate([COMPLETION_PROMPT], SamplingParams(seed=7 + i, **sampled))[0]
+            for i in range(3)]
+    assert len({r.text for r in refs}) > 1       # the seeds matter, so the comparison below means something
+    out = client(server).completions.create(model=MODEL, prompt=COMPLETION_PROMPT, n=3, seed=7, **sampled)
+    assert [ch.index for ch in out.choices] == [0, 1, 2]
+    assert [ch.text for ch in out.choices] == [r.text for r in refs]
+    assert out.usage.completion_tokens == sum(len(r.token_ids) for r in refs)
+    assert out.usage.prompt_tokens == len(refs[0].prompt_token_ids)     # counted once, not per choice
+
+    # Streamed chat with n = 2: the interleaved deltas sort back into each seed's own output.
+    chat_refs = [reference.chat(CHAT, SamplingParams(seed=3 + i, **sampled)).text for i in range(2)]
+    texts, finishes = ["", ""], [None, None]
+    for chunk in client(server).chat.completions.create(model=MODEL, messages=CHAT, n=2, seed=3, stream=True,
+                                                        **sampled):
+        for ch in chunk.choices:
+            texts[ch.index] += ch.delta.content or ""
+            finishes[ch.index] = ch.finish_reason or finishes[ch.index]
+    assert texts == chat_refs and None not in finishes
+
+
+def test_models_embeddings_and_metrics(server, reference):
+    c = client(server)
+    assert [m.id for m in c.models.list().data] == [MODEL]
+    texts = ["a cat sat on the mat", "the stock market fell"]
+    emb = c.embeddings.create(model=MODEL, input=texts)
+    ref = reference.embed(texts)
+    got = [d.embedding for d in emb.data]
+    assert len(got) == 2 and len(got[0]) == ref.shape[1]
+    for g, r in zip(got, ref.tolist()):
+        assert sum((a - b) ** 2 for a, b in zip(g, r)) ** 0.5 < 1e-4
+        assert abs(sum(a * a for a in g) - 1) < 1e-4
+    assert emb.usage.prompt_tokens == sum(len(reference.encode_prompt(t)) for t in texts)
+    m = metrics(server)
+    for name in ("microengine_kv_blocks_total", "microengine_requests_finished_total",
+                 'microengine_ttft_seconds{quantile="0.5"}', "microengine_itl_seconds_count"):
+        assert name in m
+    assert m["microengine_requests_finished_total"] > 0
+
+
+def test_64_concurrent_streams(server, reference):
+    prompts = [f"Item {i}: the number {i * 7} written in words is" for i in range(64)]
+    refs = [o.text for o in reference.generate(prompts, SamplingParams(temperature=0, max_tokens=8))]
+    before = metrics(server)["microengine_requests_finished_total"]
+
+    async def one(c, prompt):
+        text, finish = "", None
+        async for chunk in await c.completions.create(model=MODEL, prompt=prompt, temperature=0,
+                                                      max_tokens=8, stream=True):
+            for ch in chunk.choices:
+                text += ch.text
+                finish = ch.finish_reason or finish
+        return text, finish
+
+    async def run_all():
+        c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=180)
+        try:
+            return await asyncio.gather(*(one(c, p) for p in prompts))
+        finally:
+            await c.close()
+
+    results = asyncio.run(run_all())
+    assert [t for t, _ in results] == refs
+    assert all(f in ("stop", "length") for _, f in results)
+    assert metrics(server)["microengine_requests_finished_total"] - before == 64
+
+
+def _malformed_cases(long_prompt: str):
+    chat = lambda **kw: ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, **kw})  # noqa: E731
+    comp = lambda **kw: ("/v1/completions", {"model": MODEL, "prompt": "hi", **kw})  # noqa: E731
+    bad = "invalid_request_error"
+    return [
+        # (name, path, body (dict, or bytes sent as is), status, param)
+        ("bad json", "/v1/chat/completions", b'{"model": "llama", "messages": [', 400, None),
+        ("not an object", "/v1/completions", b"[1, 2, 3]", 400, None),
+        ("empty body", "/v1/completions", b"", 400, None),
+        ("NaN temperature", "/v1/completions", b'{"model":"llama","prompt":"hi","temperature":NaN}', 400,
+         "temperature"),
+        ("missing model", "/v1/completions", {"prompt": "hi"}, 400, "model"),
+        ("missing prompt", "/v1/completions", {"model": MODEL}, 400, "prompt"),
+        ("missing messages", "/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+        ("unknown model", *comp(model="gpt-9"), 400, "model"),
+        ("empty messages", *chat(messages=[]), 400, "messages"),
+        ("messages not a list", *chat(messages="hello"), 400, "messages"),
+        ("bad role", *chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages[0].role"),
+        ("content missing", *chat(messages=[{"role": "user"}]), 400, "messages[0].content"),
+        ("content wrong type", *chat(messages=[{"role": "user", "content": 42}]), 400, "messages[0].content"),
+        ("image part", *chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+         400, "messages[0].content[0].type"),
+        ("negative max_tokens", *comp(max_tokens=-5), 400, "max_tokens"),
+        ("zero max_tokens", *chat(max_tokens=0), 400, "max_tokens"),
+        ("string max_tokens", *comp(max_tokens="10"), 400, "max_tokens"),
+        ("float max_tokens", *comp(max_tokens=2.5), 400, "max_tokens"),
+        ("max_tokens disagree", *chat(max_tokens=5, max_completion_tokens=6), 400, "max_tokens"),
+        ("temperature 5", *chat(temperature=5), 400, "temperature"),
+        ("negative temperature", *comp(temperature=-0.1), 400, "temperature"),
+        ("top_p 0", *comp(top_p=0), 400, "top_p"),
+        ("top_p 1.5", *chat(top_p=1.5), 400, "top_p"),
+        ("top_k -5", *comp(top_k=-5), 400, "top_k"),
+        ("n 0", *comp(n=0), 400, "n"),
+        ("n 1000", *chat(n=1000), 400, "n"),
+        ("stop list too long", *comp(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
+        ("empty stop", *comp(stop=[""]), 400, "stop"),
+        ("stop of ints", *chat(stop=[1, 2]), 400, "stop[0]"),
+        ("presence_penalty 3", *comp(presence_penalty=3), 400, "presence_penalty"),
+        ("frequency_penalty string", *chat(frequency_penalty="x"), 400, "frequency_penalty"),
+        ("seed string", *comp(seed="abc"), 400, "seed"),
+        ("chat logprobs int", *chat(logprobs=5), 400, "logprobs"),
+        ("top_logprobs without logprobs", *chat(top_logprobs=2), 400, "top_logprobs"),
+        ("top_logprobs 50", *chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
+        ("completion logprobs 100", *comp(logprobs=100), 400, "logprobs"),
+        ("stream not bool", *comp(stream="yes"), 400, "stream"),
+        ("stream_options without stream", *chat(stream_options={"include_usage": True}), 400,
+         "stream_options"),
+        ("user not a string", *chat(user=5), 400, "user"),
+        ("tools", *chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+        ("response_format", *chat(response_format={"type": "json_object"}), 400, "response_format"),
+        ("logit_bias", *comp(logit_bias={"50256": -100}), 400, "logit_bias"),
+        ("echo", *comp(echo=True), 400, "echo"),
+        ("suffix", *comp(suffix="!"), 400, "suffix"),
+        ("best_of", *comp(best_of=3), 400, "best_of"),
+        ("empty prompt", *comp(prompt=""), 400, "prompt"),
+        ("empty prompt list", *comp(prompt=[]), 400, "prompt"),
+        ("token id outside vocab", *comp(prompt=[1, 99_999_999]), 400, "prompt"),
+        ("prompt over context", *comp(prompt=long_prompt), 400, "prompt"),
+        ("chat over context", *chat(messages=[{"role": "user", "content": long_prompt}]), 400, "messages"),
+        ("max_tokens over context", *comp(max_tokens=MAX_MODEL_LEN), 400, "max_tokens"),
+        ("embedding of nothing", "/v1/embeddings", {"model": MODEL, "input": []}, 400, "input"),
+        ("embedding of an int", "/v1/embeddings", {"model": MODEL, "input": 3}, 400, "input"),
+        ("embedding dimensions", "/v1/embeddings", {"model": MODEL, "input": "x", "dimensions": 8}, 400,
+         "dimensions"),
+        ("huge body", *comp(prompt="x" * (2 << 20)), 413, None),
+    ], bad
+
+
+def test_malformed_requests_get_openai_errors(server, reference):
+    long_prompt = " ".join(["word"] * (MAX_MODEL_LEN + 50))
+    assert len(reference.encode_prompt(long_prompt)) > MAX_MODEL_LEN
+    cases, bad = _malformed_cases(long_prompt)
+    assert len(cases) >= 30
+    failures = []
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for name, path, body, status, param in cases:
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            r = http.post(path, content=content, headers={"content-type": "application/json"})
+            try:
+                err = r.json()["error"]
+                ok = (r.status_code == status and isinstance(err["message"], str) and err["message"]
+                      and err["type"] == bad and set(err) == {"message", "type", "param", "code"}
+                      and (param is None or err["param"] == param))
+            except (ValueError, KeyError, TypeError):
+                ok = False
+            if not ok:
+                failures.append(f"{name}: {r.status_code} {r.text[:300]}")
+        assert not failures, "\n".join(failures)
+
+        # FastAPI's own errors use the same body: unknown route, wrong method.
+        r = http.get("/v1/nope")
+        assert r.status_code == 404 and "message" in r.json()["error"]
+        r = http.get("/v1/chat/completions")
+        assert r.status_code == 405 and "message" in r.json()["error"]
+
+        # The server is unharmed.
+        assert http.get("/health").json()["status"] == "ok"
+    out = client(server).completions.create(model=MODEL, prompt=COMPLETION_PROMPT, **GREEDY)
+    assert out.choices[0].text == reference.generate([COMPLETION_PROMPT], SamplingParams(**GREEDY))[0].text
+
+
+def test_disconnects_abort_and_free_blocks(server, reference):
+    before = metrics(server)
+    assert before["microengine_running"] == 0
+
+    async def connect_and_leave(http, i):
+        body = {"model": MODEL, "prompt": f"Story {i}: once upon a time", "max_tokens": 400,
+                "temperature": 0, "ignore_eos": True, "stream": True}
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and '"text":"' in line:
+                    return          # leaving the block closes the connection mid-stream
+
+    async def wait_and_give_up(i):
+        # A non-streaming client that times out: its request must be aborted too.
+        body = {"model": MODEL, "prompt": f"Essay {i}:", "max_tokens": 400, "ignore_eos": True}
+        async with httpx.AsyncClient(base_url=server.url, timeout=1.5) as http:
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post("/v1/completions", json=body)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+            await asyncio.gather(*(connect_and_leave(http, i) for i in range(20)),
+                                 *(wait_and_give_up(i) for i in range(2)))
+
+    asyncio.run(run())
+    deadline = time.monotonic() + 30
+    while True:
+        m = metrics(server)
+        if m["microengine_running"] == 0 and m["microengine_waiting"] == 0:
+            break
+        assert time.monotonic() < deadline, f"requests still running: {m}"
+        time.sleep(0.1)
+    assert m["microengine_requests_aborted_total"] - before["microengine_requests_aborted_total"] == 22
+    assert m["microengine_requests_finished_total"] == before["microengine_requests_finished_total"]
+    # Prefix-cached blocks of the aborted prompts count as free (evictable) in the engine's pool.
+    assert m["microengine_kv_blocks_used"] == before["microengine_kv_blocks_used"] == 0
+    assert m["microengine_kv_blocks_free"] == m["microengine_kv_blocks_total"]
+
+
+def test_cli_has_every_engine_option():
+    from engine.config import EngineConfig
+    out = subprocess.run([sys.executable, str(ROOT / "serve.py"), "--help"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.returncode == 0
+    for f in dataclasses.fields(EngineConfig):
+        if f.name != "extra":
+            assert "--" + f.name.replace("_", "-") in out.stdout, f.name
+    for flag in ("--host", "--port", "--api-key", "--shutdown-timeout", "--max-request-bytes"):
+        assert flag in out.stdout
+
+
+def test_api_key(keyed_server):
+    url = keyed_server.url
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/metrics")):
+            r = httpx.request(method, url + path, headers=headers, json={"model": MODEL, "prompt": "hi"})
+            assert r.status_code == 401, (headers, path)
+            assert r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(url + "/health").status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        client(keyed_server, "wrong").models.list()
+    out = client(keyed_server, API_KEY).completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+    assert out.usage.completion_tokens >= 1
+
+
+def test_sigterm_drains_and_exits_zero(keyed_server):
+    """SIGTERM with a stream in flight: new requests get 503, the stream ends cleanly (finished, or
+    aborted with an error event once --shutdown-timeout=3s passes), and the process exits 0."""
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    events = []
+    with httpx.Client(base_url=keyed_server.url, headers=auth, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    break
+            signaled = time.monotonic()
+            keyed_server.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            refused = httpx.post(keyed_server.url + "/v1/completions", headers=auth, timeout=10,
+                                 json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            events += [line[6:] for line in lines if line.startswith("data: ")]
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last.get("choices", [{}])[0].get("finish_reason") == "length" or \
+        last.get("error", {}).get("code") == "server_shutting_down"
+    assert keyed_server.proc.wait(timeout=20) == 0
+    assert time.monotonic() - signaled < 3 + 10
