@@ -19,15 +19,12 @@ import random
 import sys
 import time
 
-# The stream-ordered allocator must be chosen before CUDA starts (engine/memory/allocator.py).
-os.environ.setdefault("PYTORCH_ALLOC_CONF", "backend:cudaMallocAsync")
+import torch
+from tqdm import tqdm
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from engine.config import EngineConfig  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling import SamplingParams
 
 # name -> EngineConfig overrides; "lossless" configs must reproduce the dense greedy tokens.
 CONFIGS = {
@@ -150,6 +147,45 @@ def weight_bytes(engine) -> int:
     return total + head.numel() * head.element_size()
 
 
+def time_fn(fn, device, reps=20) -> float:
+    """Median seconds per call (CUDA events on the GPU)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def gemm_points(engine, name, ms) -> list[dict]:
+    """Each GEMM of the first decoder layer at several M: arithmetic intensity and FLOP/s."""
+    points = []
+    layer = engine.model.layers[0]
+    gemms = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj,
+             "gate_up": layer.mlp.gate_up_proj, "down": layer.mlp.down_proj}
+    act_bytes = torch.empty(0, dtype=engine.dtype).element_size()
+    for gname, lin in gemms.items():
+        for m in ms:
+            x = torch.randn(m, lin.in_features, device=engine.device, dtype=engine.dtype)
+            with torch.inference_mode():
+                secs = time_fn(lambda: lin(x), engine.device)
+            flops = 2 * m * lin.in_features * lin.out_features
+            nbytes = lin.backend.weight_bytes() + m * (lin.in_features + lin.out_features) * act_bytes
+            points.append({"config": name, "gemm": gname, "M": m, "seconds": secs,
+                           "intensity": flops / nbytes, "flops_per_s": flops / secs})
+    return points
+
+
 def bench_config(name, overrides, args, device, shared):
     rng = random.Random(0)
     cfg = EngineConfig(model=args.model, device=str(device), dtype=args.dtype, seed=0,
@@ -180,6 +216,7 @@ def bench_config(name, overrides, args, device, shared):
         ideal = (wbytes + b * ctx * kv_per_token) / shared["copy_bw"]
         row[f"decode_b{b}_roofline_pct"] = 100 * ideal / step_s
     row["throughput_tok_s"] = bench_throughput(engine, rng, vocab, args.requests, args.min_len, args.max_len)
+    shared.setdefault("points", []).extend(gemm_points(engine, name, args.gemm_ms))
     if device.type == "cuda":
         row["peak_mem_GB"] = torch.cuda.max_memory_allocated(device) / 1e9
     del engine
@@ -254,6 +291,7 @@ def write_outputs(results, args):
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(md)
     plot_bars(results, os.path.join(args.out, "tokens_per_sec.png"))
+    plot_roofline(results, os.path.join(args.out, "roofline.png"))
     return md
 
 
@@ -305,6 +343,40 @@ def plot_bars(results, path):
     plt.close(fig)
 
 
+def plot_roofline(results, path):
+    """Each GEMM a point at its arithmetic intensity and achieved FLOP/s, under the measured
+    bandwidth and bf16 compute ceilings."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    points = results.get("gemm_points", [])
+    if not points:
+        return
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    configs = sorted({p["config"] for p in points}, key=lambda c: list(CONFIGS).index(c))
+    markers = dict(zip(configs, "os^vDP*X"))
+    for c in configs:
+        ps = [p for p in points if p["config"] == c]
+        ax.scatter([p["intensity"] for p in ps], [p["flops_per_s"] / 1e12 for p in ps],
+                   marker=markers[c], label=c, alpha=0.8)
+    bw, peak = results["ceilings"]["copy_GBps"] * 1e9, results["ceilings"]["bf16_TFLOPs"] * 1e12
+    if bw == bw and peak == peak:   # not nan: a GPU run
+        xs = [0.3, 3e4]
+        ax.plot(xs, [min(x * bw, peak) / 1e12 for x in xs], "k--", lw=1)
+        knee = peak / bw
+        ax.plot([0.3, knee, 3e4], [0.3 * bw / 1e12, peak / 1e12, peak / 1e12], "k-", lw=1,
+                label=f"measured: {bw / 1e12:.2f} TB/s copy, {peak / 1e12:.0f} TFLOP/s bf16")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP / byte of weights + activations)")
+    ax.set_ylabel("achieved TFLOP/s")
+    ax.set_title(f"layer-0 GEMMs of {results['args']['model']} at M in {results['args']['gemm_ms']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama-3.1-8b", help="a preset name (default llama-3.1-8b)")
@@ -328,6 +400,7 @@ def main(argv=None):
     ap.add_argument("--guard-tokens", type=int, default=32)
     ap.add_argument("--ppl-window", type=int, default=512)
     ap.add_argument("--ppl-windows", type=int, default=8)
+    ap.add_argument("--gemm-ms", default="1,16,128,1024,8192", help="M values of the roofline points")
     ap.add_argument("--out", default="bench_results", help="folder for results.json/.md and the plots")
     args = ap.parse_args(argv)
     if args.quick:
@@ -335,7 +408,8 @@ def main(argv=None):
         args.requests, args.min_len, args.max_len = 8, 8, 32
         args.prefill_seqs, args.prefill_len, args.decode_prompt, args.decode_steps = 2, 64, 32, 8
         args.decode_batches, args.guard_tokens, args.ppl_window, args.ppl_windows = "1,4", 8, 128, 2
-        args.step_tokens = 512
+        args.step_tokens, args.gemm_ms = 512, "1,64"
+    args.gemm_ms = [int(m) for m in args.gemm_ms.split(",")]
     args.decode_batches = [int(b) for b in args.decode_batches.split(",")]
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]
@@ -370,12 +444,13 @@ def main(argv=None):
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    results["gemm_points"] = shared.get("points", [])
     md = write_outputs(results, args)
     print(md)
     for r in results["configs"]:
         if "error" in r or "note" in r:
             print(f"{r['config']}: {r.get('error') or r.get('note')}")
-    print(f"wrote {args.out}/results.json, results.md, tokens_per_sec.png")
+    print(f"wrote {args.out}/results.json, results.md, tokens_per_sec.png, roofline.png")
 
 
 if __name__ == "__main__":

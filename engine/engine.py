@@ -162,14 +162,21 @@ class Engine:
 
     # ---------------------------------------------------------------- requests
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink) -> None:
-        if request_id in self.requests:
-            raise ValueError(f"request_id: {request_id!r} is already running")
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Refuse what can never run (it depends only on static limits, so any thread may call it);
+        returns the effective max_tokens."""
         max_tokens = self.scheduler.check(len(prompt_ids), params.max_tokens)
         bad = [t for t in prompt_ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
             raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary "
                              f"(0..{self.model_config.vocab_size - 1})")
+        return max_tokens
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink) -> None:
+        max_tokens = self.validate(prompt_ids, params)
+        if request_id in self.requests:
+            sink(StreamChunk(request_id, [], "", "abort", len(prompt_ids), 0))
+            raise ValueError(f"request_id: {request_id!r} is already running")
         seq = Sequence(request_id, list(prompt_ids), params, max_tokens)
         detok = _Detokenizer(self.tokenizer, prompt_ids, params.stop_list) if params.detokenize else None
         gen = None

@@ -17,6 +17,9 @@ from torch import nn
 class LinearBackend:
     """A weight in some storage format. y = x @ W^T with W of shape [out_features, in_features]."""
     name = "?"
+    # "fp8": forward also takes x already quantised (float8_e4m3fn, with x_scale per row), so the
+    # kernel before it can write 1 byte per element instead of a bf16 activation.
+    input_quant: str | None = None
     in_features: int
     out_features: int
 
@@ -60,10 +63,6 @@ BACKENDS: dict[str, type | str] = {
 }
 
 
-def register_backend(name: str, cls: type) -> None:
-    BACKENDS[name] = cls
-
-
 def backend_class(fmt: str) -> type:
     if fmt not in BACKENDS:
         raise ValueError(f"weight format {fmt!r} is not one of {', '.join(BACKENDS)}")
@@ -84,7 +83,14 @@ class Linear(nn.Module):
                                    requires_grad=False)
         self.backend: LinearBackend = DenseWeight(self.weight.data)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def input_quant(self) -> str | None:
+        return self.backend.input_quant
+
+    def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: [..., K], or (x_fp8 [M, K], x_scale [M]) when the backend's input_quant is "fp8"."""
+        if isinstance(x, tuple):
+            return self.backend.forward(x[0], x_scale=x[1])
         shape = x.shape
         y = self.backend.forward(x.reshape(-1, shape[-1]))
         return y.reshape(*shape[:-1], self.out_features)
@@ -117,8 +123,9 @@ def convert_model(model, weights: str = "bf16", sparse_ffn: str | None = None,
         if sparse_ffn and ".mlp." in name:
             score = None
             if sparse_ffn == "wanda":
-                w = lin.backend.dequantize().float()
-                score = w.abs() * input_norms[name].to(w.device)[None, :]
+                from engine.kernels.sparse24 import wanda_score
+                w = lin.backend.dequantize()
+                score = wanda_score(w, input_norms[name].to(w.device))
             lin.convert("2:4+fp8" if weights == "fp8" else "2:4", score=score)
         elif weights != "bf16":
             lin.convert(weights)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import itertools
+import logging
 import queue
 import threading
 import weakref
@@ -22,6 +23,8 @@ from engine.engine import Engine, StreamChunk
 from engine.kernels.norms import l2_norm
 from engine.sampling import SamplingParams, TokenLogprob
 from engine.scheduler import ContextLengthError  # noqa: F401  (re-exported)
+
+log = logging.getLogger("microengine")
 
 
 @dataclass
@@ -138,15 +141,27 @@ class LLM:
                     command = self._inbox.get_nowait()
                 except queue.Empty:
                     break
-                command()
+                try:
+                    command()
+                except Exception:  # noqa: BLE001 - a bad command must not stop the engine
+                    log.exception("engine command failed")
             if engine.has_work():
-                engine.step()
+                try:
+                    engine.step()
+                except Exception:  # noqa: BLE001
+                    # A failed step (out of memory, a kernel error) ends the requests it held,
+                    # with finish_reason "abort", and the engine keeps serving the rest.
+                    log.exception("engine step failed; aborting the requests in flight")
+                    for rid in list(engine.requests):
+                        engine.abort(rid)
             else:
                 self._wake.wait(0.05)
                 self._wake.clear()
 
     def _call(self, fn):
         """Run fn on the engine thread (between steps) and return its result."""
+        if self._stopped:
+            raise RuntimeError("the engine has shut down")
         fut: Future = Future()
 
         def command():
@@ -193,7 +208,11 @@ class LLM:
         ids = self._prompt_ids(prompt)
         rid = request_id or f"req-{next(self._ids)}"
         stream = RequestStream(self, rid, ids)
-        self._call(lambda: self.engine.add_request(rid, ids, params, stream._put))
+        # Refusals come from static limits, so they are raised here, on the caller's thread; the
+        # request itself joins the engine at its next step boundary without the caller waiting.
+        self.engine.validate(ids, params)
+        self._inbox.put(lambda: self.engine.add_request(rid, ids, params, stream._put))
+        self._wake.set()
         return stream
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

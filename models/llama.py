@@ -25,8 +25,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, device=device, dtype=dtype), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x, residual=None):
-        return rms_norm(x, self.weight, self.eps, residual)
+    def forward(self, x, residual=None, quant=None):
+        return rms_norm(x, self.weight, self.eps, residual, quant)
 
 
 class LlamaAttention(nn.Module):
@@ -42,8 +42,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, device, dtype)
 
     def forward(self, x, positions, batch, inv_freq):
-        t = x.shape[0]
         qkv = self.qkv_proj(x)
+        t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -89,7 +89,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, device, dtype)
 
     def forward(self, x):
-        return self.down_proj(swiglu(self.gate_up_proj(x)))
+        # With an FP8 down_proj the SwiGLU product leaves the kernel as e4m3: it is never stored in bf16.
+        return self.down_proj(swiglu(self.gate_up_proj(x), self.down_proj.input_quant))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -101,14 +102,15 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, device, dtype)
 
     def forward(self, x, residual, positions, batch, inv_freq):
-        # The residual add is fused into the norm that follows it.
+        # The residual add is fused into the norm that follows it, and with FP8 GEMMs after them the
+        # norms write their output already quantised (1 byte per element, never a bf16 copy).
         if residual is None:
             residual = x
-            h = self.input_layernorm(x)
+            h = self.input_layernorm(x, quant=self.self_attn.qkv_proj.input_quant)
         else:
-            h, residual = self.input_layernorm(x, residual)
+            h, residual = self.input_layernorm(x, residual, self.self_attn.qkv_proj.input_quant)
         h = self.self_attn(h, positions, batch, inv_freq)
-        h, residual = self.post_attention_layernorm(h, residual)
+        h, residual = self.post_attention_layernorm(h, residual, self.mlp.gate_up_proj.input_quant)
         return self.mlp(h), residual
 
 

@@ -1,4 +1,5 @@
-"""Test setup: GPU tests (marker `gpu`) are skipped where torch sees no CUDA device; shared fixtures
+"""Test setup: GPU tests (marker `gpu`) are skipped where torch sees no CUDA device, Triton kernel
+tests (marker `interpreter`) run on the CPU in an interpreter child process, and shared fixtures
 load the embedded model once per session."""
 import os
 
@@ -10,9 +11,15 @@ def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (marker gpu)")
+    # Triton reads TRITON_INTERPRET when it decorates a kernel, so the kernels' CPU tests run in a
+    # child process that has it from the start (tests/test_interpreter.py), not in this one.
+    child = pytest.mark.skip(reason="runs under TRITON_INTERPRET=1 in tests/test_interpreter.py")
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+        elif "interpreter" in item.keywords and not interpreting:
+            item.add_marker(child)
 
 
 @pytest.fixture(scope="session")

@@ -38,19 +38,33 @@ def to_hf(model):
 
 @pytest.mark.gpu
 def test_llama_3_2_1b_bf16_matches_transformers():
+    """Both engines run bf16; each is compared with transformers in fp32 on the same weights, and
+    our bf16 error must be of the size of transformers' own bf16 error."""
     from engine import LLM
     llm = LLM("llama-3.2-1b", device="cuda", dtype="bf16", kv_cache_tokens=8192)
     try:
         hf = to_hf(llm.engine.model)
         gen = torch.Generator().manual_seed(0)
+        ours_all, theirs_all, ref_all = [], [], []
         for n in (7, 300):
             ids = torch.randint(0, 49152, (n,), generator=gen).tolist()
+            x = torch.tensor([ids], device="cuda")
             ours = llm.logits(ids).float()
             with torch.no_grad():
-                ref = hf(torch.tensor([ids], device="cuda")).logits[0].float().cpu()
-            rel = ((ours - ref).norm() / ref.norm()).item()
-            agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
-            assert rel < 2e-2, rel            # bf16 through 16 layers, different kernels
-            assert agree > 0.9, agree
+                theirs = hf(x).logits[0].float().cpu()
+                ref = hf.float()(x).logits[0].cpu()
+                hf.bfloat16()
+            err_ours = ((ours - ref).norm() / ref.norm()).item()
+            err_hf = ((theirs - ref).norm() / ref.norm()).item()
+            assert err_ours < max(1.5 * err_hf, 5e-3), (err_ours, err_hf)
+            ours_all.append(ours)
+            theirs_all.append(theirs)
+            ref_all.append(ref)
+        # Random weights give near-flat logits, so bf16 flips some argmaxes: ours must flip no more
+        # often than transformers' own bf16 run does.
+        top = torch.cat(ref_all).argmax(-1)
+        agree_ours = (torch.cat(ours_all).argmax(-1) == top).float().mean().item()
+        agree_hf = (torch.cat(theirs_all).argmax(-1) == top).float().mean().item()
+        assert agree_ours >= agree_hf - 0.05, (agree_ours, agree_hf)
     finally:
         llm.shutdown(timeout=1)
