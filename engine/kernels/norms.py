@@ -24,9 +24,25 @@ except ImportError:  # no Triton: the references run
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
-def triton_enabled(t: torch.Tensor) -> bool:
-    """Whether the Triton kernels serve tensor `t`: on CUDA, or anywhere under the interpreter."""
+_fused_kernels = True
+
+
+def set_fused_kernels(enabled: bool | None) -> None:
+    """EngineConfig.fused_kernels for the norm, SwiGLU and RoPE kernels: False sends those calls to
+    the PyTorch references; True or None (the default) uses the kernels where they run. Attention
+    is not switched: its reference loops over sequences in Python and is no baseline to time."""
+    global _fused_kernels
+    _fused_kernels = enabled is not False
+
+
+def triton_available(t: torch.Tensor) -> bool:
+    """Whether Triton kernels can serve tensor `t`: on CUDA, or anywhere under the interpreter."""
     return triton is not None and (t.is_cuda or interpreted())
+
+
+def triton_enabled(t: torch.Tensor) -> bool:
+    """Whether the fused elementwise kernels serve `t`: available and not switched off."""
+    return _fused_kernels and triton_available(t)
 
 
 def _jit(fn):
@@ -81,12 +97,14 @@ def quantize_e4m3(y, scale, ROUND_IN_FP32: tl.constexpr):
 
 
 def row_launch_config(n_cols: int):
-    """(BLOCK, num_warps) for kernels that hold one whole row in registers: 16-byte accesses and
-    8..32 elements per thread, the shape that keeps enough loads in flight to reach HBM bandwidth."""
+    """(BLOCK, num_warps) for kernels that hold one whole row in registers: 16-byte accesses, 8..16
+    elements per thread. Measured on an H200 at 8192 rows: add+RMSNorm over 4096 columns reaches
+    90% of the copy bandwidth with 8 or 16 warps (82% with 32); SwiGLU->FP8 over 14336 (block
+    16384) 89% with 32 warps, 84% with 16."""
     block = triton.next_power_of_2(n_cols)
     if block > 65536:
         raise ValueError(f"rows of {n_cols} elements are longer than the one-row kernels hold (65536)")
-    num_warps = 4 if block < 2048 else 8 if block < 8192 else 16 if block < 32768 else 32
+    num_warps = 4 if block < 2048 else 8 if block < 8192 else 16 if block < 16384 else 32
     return block, num_warps
 
 
@@ -99,6 +117,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr,
     cols = tl.arange(0, BLOCK)
     in_row = cols < n_cols
     x = tl.load(x_ptr + row * x_stride + cols, mask=in_row, other=0.0)
+    w = tl.load(w_ptr + cols, mask=in_row, other=0.0).to(tl.float32)   # before any store
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * res_stride + cols, mask=in_row, other=0.0)
         # the residual stream is stored in x's dtype; normalise exactly what is stored
@@ -106,7 +125,6 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr,
         tl.store(res_out_ptr + row * n_cols + cols, x, mask=in_row)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
     y = xf * rstd * w
     if QUANT_FP8:
         amax = tl.max(tl.abs(y), axis=0)
@@ -170,12 +188,14 @@ def l2_norm_triton(x, eps=1e-12):
 
 
 def rms_norm(x, weight, eps, residual=None, quant=None):
+    """RMSNorm(x [+ residual]) * weight; contract of `rms_norm_ref`."""
     if triton_enabled(x):
         return rms_norm_triton(x, weight, eps, residual, quant)
     return rms_norm_ref(x, weight, eps, residual, quant)
 
 
 def l2_norm(x, eps=1e-12):
+    """x / max(||x||_2, eps) along the last dim."""
     if triton_enabled(x):
         return l2_norm_triton(x, eps)
     return l2_norm_ref(x, eps)

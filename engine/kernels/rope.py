@@ -58,25 +58,24 @@ def apply_rope_ref(q, k, positions, inv_freq):
 
 
 @_jit
-def _rotate_heads(base_ptr, stride_head, n_heads, cos, sin, half,
-                  HEADS: tl.constexpr, HALF: tl.constexpr):
-    """Rotate the [n_heads, 2 * half] head block at base_ptr in place (rotate-half convention)."""
-    heads = tl.arange(0, HEADS)[:, None]
-    d = tl.arange(0, HALF)[None, :]
-    ptr = base_ptr + heads * stride_head + d
-    mask = (heads < n_heads) & (d < half)
-    x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(ptr + half, mask=mask, other=0.0).to(tl.float32)
-    tl.store(ptr, (x1 * cos - x2 * sin).to(base_ptr.dtype.element_ty), mask=mask)
-    tl.store(ptr + half, (x2 * cos + x1 * sin).to(base_ptr.dtype.element_ty), mask=mask)
-
-
-@_jit
 def _rope_kernel(q_ptr, k_ptr, pos_ptr, inv_freq_ptr,
                  q_stride_t, q_stride_h, k_stride_t, k_stride_h, n_q_heads, n_k_heads, half,
                  Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr, HALF: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    d = tl.arange(0, HALF)
+    d = tl.arange(0, HALF)[None, :]
+    q_heads = tl.arange(0, Q_HEADS)[:, None]
+    k_heads = tl.arange(0, K_HEADS)[:, None]
+    q_at = q_ptr + t * q_stride_t + q_heads * q_stride_h + d
+    k_at = k_ptr + t * k_stride_t + k_heads * k_stride_h + d
+    q_mask = (q_heads < n_q_heads) & (d < half)
+    k_mask = (k_heads < n_k_heads) & (d < half)
+    # every load before the first store: q and k may alias as far as the compiler knows, so a store
+    # in between would serialise the two round trips to memory
+    q1 = tl.load(q_at, mask=q_mask, other=0.0).to(tl.float32)
+    q2 = tl.load(q_at + half, mask=q_mask, other=0.0).to(tl.float32)
+    k1 = tl.load(k_at, mask=k_mask, other=0.0).to(tl.float32)
+    k2 = tl.load(k_at + half, mask=k_mask, other=0.0).to(tl.float32)
+
     # the angle is pos * inv_freq rounded to fp32, exactly as the reference forms it; then reduced
     # to [-pi, pi] so the hardware sin/cos see the range where they are accurate
     angle = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + d, mask=d < half, other=0.0)
@@ -87,10 +86,13 @@ def _rope_kernel(q_ptr, k_ptr, pos_ptr, inv_freq_ptr,
     reduced = tl.fma(-turns, 6.28125, angle)
     reduced = tl.fma(-turns, 0.0019353071693331003, reduced)
     reduced = tl.fma(-turns, 1.0253131677018246e-11, reduced)
-    cos = tl.cos(reduced)[None, :]
-    sin = tl.sin(reduced)[None, :]
-    _rotate_heads(q_ptr + t * q_stride_t, q_stride_h, n_q_heads, cos, sin, half, Q_HEADS, HALF)
-    _rotate_heads(k_ptr + t * k_stride_t, k_stride_h, n_k_heads, cos, sin, half, K_HEADS, HALF)
+    cos = tl.cos(reduced)
+    sin = tl.sin(reduced)
+
+    tl.store(q_at, (q1 * cos - q2 * sin).to(q_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(q_at + half, (q2 * cos + q1 * sin).to(q_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(k_at, (k1 * cos - k2 * sin).to(k_ptr.dtype.element_ty), mask=k_mask)
+    tl.store(k_at + half, (k2 * cos + k1 * sin).to(k_ptr.dtype.element_ty), mask=k_mask)
 
 
 def apply_rope_triton(q, k, positions, inv_freq):
@@ -109,6 +111,8 @@ def apply_rope_triton(q, k, positions, inv_freq):
 
 
 def apply_rope(q, k, positions, inv_freq):
+    """Rotated (q, k). The Triton path rotates in place, the reference returns new tensors: use the
+    returned pair."""
     if triton_enabled(q):
         return apply_rope_triton(q, k, positions, inv_freq)
     return apply_rope_ref(q, k, positions, inv_freq)

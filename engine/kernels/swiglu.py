@@ -58,7 +58,7 @@ def _swiglu_fp8_kernel(gate_up_ptr, out_ptr, scale_ptr, n_ffn, in_stride,
     tl.store(scale_ptr + row, scale)
 
 
-SLICE = 2048  # columns per program of the bf16 kernel: 16 elements per thread at 4 warps
+SLICE = 2048  # columns per program of the bf16 kernel (H200, 8192 rows: 1024..4096 all 96% of copy BW)
 
 
 def swiglu_triton(gate_up, quant=None):
@@ -90,6 +90,7 @@ def swiglu_triton(gate_up, quant=None):
 
 
 def swiglu(gate_up, quant=None):
+    """silu(gate) * up in gate_up's dtype, or (float8_e4m3fn, per-row fp32 scale) with quant="fp8"."""
     if triton_enabled(gate_up):
         return swiglu_triton(gate_up, quant)
     return swiglu_ref(gate_up, quant)

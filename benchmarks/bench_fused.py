@@ -1,0 +1,351 @@
+"""Fused Triton kernels vs eager PyTorch and torch.compile, at Llama-3.1-8B shapes, on one GPU.
+
+For 1, 64 and 8192 tokens: fused residual-add + RMSNorm (bf16 out and FP8 out), L2 norm, SwiGLU
+(bf16 out and FP8 out) and RoPE; each kernel's median time, the bytes it must move (every input
+read once, every output written once), achieved GB/s and its fraction of the device-to-device copy
+bandwidth measured in the same run. Decode attention over the paged cache at batch 1 and 64,
+context 1024 and 4096, against gather + SDPA. Then the bytes that recompute-instead-of-store saves
+per layer per token (counted, not timed), and a small sweep of launch configurations.
+
+    python benchmarks/bench_fused.py            # correctness checks, then the tables
+    python benchmarks/bench_fused.py --check    # correctness checks only
+
+Times are triton.testing.do_bench medians: it warms up, and clears a 256 MB buffer before every
+timed call, so inputs come from HBM, not L2. Its events bracket the Python launch too: at 1 and 64
+tokens the times are launch-bound (host launch cost included), not a measure of the kernels.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.kernels import attention, norms, rope, swiglu  # noqa: E402
+
+HIDDEN, FFN, N_HEADS, N_KV, HEAD_DIM = 4096, 14336, 32, 8, 128   # Llama-3.1-8B
+EPS = 1e-5
+BF16 = torch.bfloat16
+DEVICE = "cuda"
+TOKENS = (1, 64, 8192)
+DECODE_CASES = [(1, 1024), (1, 4096), (64, 1024), (64, 4096)]    # (batch, context)
+BLOCK_SIZE = 16
+BF16_BOUND = 1e-2       # bf16 outputs (and bf16 P in P @ V) vs an fp32-math reference
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}
+
+
+def bench_ms(fn):
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def copy_bandwidth_gbs():
+    src = torch.randn(256 * 1024 * 1024, device=DEVICE, dtype=torch.float32)   # 1 GiB
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() * 4 / ms / 1e6
+
+
+# --------------------------------------------------------------------------------------------------
+# the cases: (name, make inputs for M tokens) -> (fused fn, reference fn, bytes moved)
+
+
+def case_rms(m, residual, quant):
+    x = torch.randn(m, HIDDEN, device=DEVICE, dtype=BF16)
+    r = torch.randn(m, HIDDEN, device=DEVICE, dtype=BF16) if residual else None
+    w = torch.randn(HIDDEN, device=DEVICE, dtype=BF16)
+    out_bytes = m * HIDDEN + 4 * m if quant else 2 * m * HIDDEN
+    nbytes = 2 * m * HIDDEN + 2 * HIDDEN + out_bytes + (4 * m * HIDDEN if residual else 0)
+    return (lambda: norms.rms_norm_triton(x, w, EPS, r, quant),
+            lambda f: (lambda: f(x, w, EPS, r, quant)), norms.rms_norm_ref, nbytes)
+
+
+def case_l2(m):
+    x = torch.randn(m, HIDDEN, device=DEVICE, dtype=BF16)
+    return lambda: norms.l2_norm_triton(x), lambda f: (lambda: f(x)), norms.l2_norm_ref, 4 * m * HIDDEN
+
+
+def case_swiglu(m, quant):
+    gu = torch.randn(m, 2 * FFN, device=DEVICE, dtype=BF16)
+    out_bytes = m * FFN + 4 * m if quant else 2 * m * FFN
+    return (lambda: swiglu.swiglu_triton(gu, quant), lambda f: (lambda: f(gu, quant)), swiglu.swiglu_ref,
+            4 * m * FFN + out_bytes)
+
+
+def case_rope(m):
+    qkv = torch.randn(m, (N_HEADS + 2 * N_KV) * HEAD_DIM, device=DEVICE, dtype=BF16)
+    q = qkv[:, :N_HEADS * HEAD_DIM].view(m, N_HEADS, HEAD_DIM)
+    k = qkv[:, N_HEADS * HEAD_DIM:(N_HEADS + N_KV) * HEAD_DIM].view(m, N_KV, HEAD_DIM)
+    pos = torch.randint(0, 131072, (m,), device=DEVICE)
+    inv_freq = rope.rope_inv_freq(HEAD_DIM, 500000.0, LLAMA3_SCALING).to(DEVICE)
+    nbytes = 2 * 2 * m * (N_HEADS + N_KV) * HEAD_DIM + 8 * m + 4 * HEAD_DIM // 2
+    return (lambda: rope.apply_rope_triton(q, k, pos, inv_freq), lambda f: (lambda: f(q, k, pos, inv_freq)),
+            rope.apply_rope_ref, nbytes)
+
+
+CASES = [
+    ("rmsnorm", lambda m: case_rms(m, False, None)),
+    ("add+rmsnorm", lambda m: case_rms(m, True, None)),
+    ("add+rmsnorm->fp8", lambda m: case_rms(m, True, "fp8")),
+    ("l2norm", case_l2),
+    ("swiglu", lambda m: case_swiglu(m, None)),
+    ("swiglu->fp8", lambda m: case_swiglu(m, "fp8")),
+    ("rope (q,k in place)", case_rope),
+]
+
+
+def decode_inputs(batch, ctx):
+    blocks_per_seq = ctx // BLOCK_SIZE
+    num_blocks = batch * blocks_per_seq
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, N_KV, HEAD_DIM, device=DEVICE, dtype=BF16)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(num_blocks, device=DEVICE).to(torch.int32).view(batch, blocks_per_seq)
+    ctx_lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(batch, N_HEADS, HEAD_DIM, device=DEVICE, dtype=BF16)
+    return q, k_cache, v_cache, tables, ctx_lens
+
+
+def gather_sdpa(q, k_cache, v_cache, tables, ctx, scale):
+    """The baseline: gather each sequence's blocks into a dense [B, ctx, nkv, hd], then SDPA (GQA)."""
+    b = q.shape[0]
+    k = k_cache[tables.long()].view(b, -1, N_KV, HEAD_DIM).transpose(1, 2)
+    v = v_cache[tables.long()].view(b, -1, N_KV, HEAD_DIM).transpose(1, 2)
+    return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=True).squeeze(2)
+
+
+def decode_bytes(batch, ctx):
+    return (2 * batch * ctx * N_KV * HEAD_DIM * 2 + 2 * batch * N_HEADS * HEAD_DIM * 2
+            + batch * (ctx // BLOCK_SIZE) * 4 + batch * 4)
+
+
+# --------------------------------------------------------------------------------------------------
+# correctness at the benchmark shapes
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def dequant(qs):
+    q, s = qs
+    return q.double() * s.double()[:, None]
+
+
+def check_cases(m):
+    """(name, fn returning (rel err, bound)) for the kernels at m tokens."""
+    x = torch.randn(m, HIDDEN, device=DEVICE, dtype=BF16)
+    r = torch.randn(m, HIDDEN, device=DEVICE, dtype=BF16)
+    w = torch.randn(HIDDEN, device=DEVICE, dtype=BF16)
+    gu = torch.randn(m, 2 * FFN, device=DEVICE, dtype=BF16)
+
+    def rms():
+        return rel_err(norms.rms_norm_triton(x, w, EPS), norms.rms_norm_ref(x, w, EPS)), BF16_BOUND
+
+    def add_rms():
+        (o, nr), (ro, rr) = norms.rms_norm_triton(x, w, EPS, r), norms.rms_norm_ref(x, w, EPS, r)
+        return max(rel_err(o, ro), rel_err(nr, rr)), BF16_BOUND
+
+    def add_rms_fp8():
+        (qs, _) = norms.rms_norm_triton(x, w, EPS, r, "fp8")
+        xr = (x.double() + r.double()).to(BF16).double()
+        exact = xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + EPS) * w.double()
+        return rel_err(dequant(qs), exact), 2.0 ** -4    # e4m3: 3 mantissa bits
+
+    def l2():
+        return rel_err(norms.l2_norm_triton(x), norms.l2_norm_ref(x)), BF16_BOUND
+
+    def swiglu_bf16():
+        return rel_err(swiglu.swiglu_triton(gu), swiglu.swiglu_ref(gu)), BF16_BOUND
+
+    def swiglu_fp8():
+        g, u = gu.double().chunk(2, -1)
+        return rel_err(dequant(swiglu.swiglu_triton(gu, "fp8")), F.silu(g) * u), 2.0 ** -4
+
+    def rope_qk():
+        qkv = torch.randn(m, (N_HEADS + 2 * N_KV) * HEAD_DIM, device=DEVICE, dtype=BF16)
+        q = qkv[:, :N_HEADS * HEAD_DIM].view(m, N_HEADS, HEAD_DIM)
+        k = qkv[:, N_HEADS * HEAD_DIM:(N_HEADS + N_KV) * HEAD_DIM].view(m, N_KV, HEAD_DIM)
+        pos = torch.randint(0, 131072, (m,), device=DEVICE)
+        inv = rope.rope_inv_freq(HEAD_DIM, 500000.0, LLAMA3_SCALING).to(DEVICE)
+        rq, rk = rope.apply_rope_ref(q, k, pos, inv)
+        tq, tk = rope.apply_rope_triton(q, k, pos, inv)
+        return max(rel_err(tq, rq), rel_err(tk, rk)), BF16_BOUND
+
+    return [("rmsnorm", rms), ("add+rmsnorm", add_rms), ("add+rmsnorm->fp8 (vs fp64)", add_rms_fp8),
+            ("l2norm", l2), ("swiglu", swiglu_bf16), ("swiglu->fp8 (vs fp64)", swiglu_fp8), ("rope", rope_qk)]
+
+
+def check_decode_case(batch, ctx):
+    q, kc, vc, tables, lens = decode_inputs(batch, ctx)
+    ref = attention.decode_attention_ref(q, kc, vc, tables, lens, HEAD_DIM ** -0.5)
+    return [(f"decode attn b{batch} ctx{ctx}", lambda: (rel_err(
+                attention.decode_attention_triton(q, kc, vc, tables, lens, HEAD_DIM ** -0.5), ref), BF16_BOUND)),
+            (f"gather+sdpa b{batch} ctx{ctx}", lambda: (rel_err(
+                gather_sdpa(q, kc, vc, tables, lens, HEAD_DIM ** -0.5), ref), BF16_BOUND))]
+
+
+def check():
+    """Fused vs reference at the benchmark's shapes; prints a table, returns the number of failures."""
+    failures = 0
+    print("\n## correctness (relative error ||out-ref|| / ||ref||)\n")
+    print("| kernel | M | rel err | bound | |")
+    print("| --- | ---: | ---: | ---: | --- |")
+    groups = [(m, lambda m=m: check_cases(m)) for m in TOKENS]
+    groups += [(b, lambda b=b, c=c: check_decode_case(b, c)) for b, c in DECODE_CASES]
+    for m, make in groups:
+        for name, run in make():
+            try:
+                err, bound = run()
+                verdict = "ok" if math.isfinite(err) and err < bound else "FAIL"
+                print(f"| {name} | {m} | {err:.2e} | {bound:.1e} | {verdict} |", flush=True)
+            except Exception as e:   # report, keep going: one run on the GPU must say everything
+                verdict = "FAIL"
+                print(f"| {name} | {m} | {type(e).__name__}: {str(e)[:200]} | | FAIL |", flush=True)
+            failures += verdict != "ok"
+    return failures
+
+
+# --------------------------------------------------------------------------------------------------
+# timing
+
+
+def compiled(fn):
+    return torch.compile(fn, dynamic=False)   # one graph per shape: the best case for the baseline
+
+
+def bench_kernels(copy_gbs):
+    print("\n## fused kernels vs eager and torch.compile (bf16; do_bench medians in us)\n")
+    print("| kernel | tokens | bytes | fused us | fused GB/s | % copy BW | eager us | compile us "
+          "| x eager | x compile |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, make in CASES:
+        for m in TOKENS:
+            try:
+                fused, bind, ref, nbytes = make(m)
+                t_fused = bench_ms(fused)
+            except Exception as e:   # report, keep going
+                print(f"| {name} | {m} | {type(e).__name__}: {str(e)[:200]} |", flush=True)
+                continue
+            t_eager = bench_ms(bind(ref))
+            try:
+                t_comp = bench_ms(bind(compiled(ref)))
+            except Exception as e:   # report, keep going
+                print(f"<!-- torch.compile failed for {name} M={m}: {type(e).__name__}: {str(e)[:300]} -->")
+                t_comp = float("nan")
+            gbs = nbytes / t_fused / 1e6
+            print(f"| {name} | {m} | {nbytes / 1e6:.3f} MB | {t_fused * 1e3:.1f} | {gbs:.0f} "
+                  f"| {100 * gbs / copy_gbs:.0f}% | {t_eager * 1e3:.1f} | {t_comp * 1e3:.1f} "
+                  f"| {t_eager / t_fused:.2f} | {t_comp / t_fused:.2f} |", flush=True)
+
+
+def bench_decode(copy_gbs):
+    print("\n## decode attention over the paged cache (32/8 heads x 128, bf16, block 16; do_bench medians)\n")
+    print("| batch | context | bytes | splits | fused us | GB/s | % copy BW | TFLOP/s "
+          "| gather+SDPA us | x gather+SDPA |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    scale = HEAD_DIM ** -0.5
+    for batch, ctx in DECODE_CASES:
+        q, kc, vc, tables, lens = decode_inputs(batch, ctx)
+        t_fused = bench_ms(lambda: attention.decode_attention_triton(q, kc, vc, tables, lens, scale))
+        t_base = bench_ms(lambda: gather_sdpa(q, kc, vc, tables, lens, scale))
+        nbytes = decode_bytes(batch, ctx)
+        flops = 4 * batch * N_HEADS * ctx * HEAD_DIM
+        gbs = nbytes / t_fused / 1e6
+        splits = attention.decode_splits(batch, N_KV, q.device)
+        print(f"| {batch} | {ctx} | {nbytes / 1e6:.1f} MB | {splits} | {t_fused * 1e3:.1f} | {gbs:.0f} "
+              f"| {100 * gbs / copy_gbs:.0f}% | {flops / t_fused / 1e9:.2f} | {t_base * 1e3:.1f} "
+              f"| {t_base / t_fused:.2f} |", flush=True)
+
+
+def print_recompute_savings():
+    """Bytes per layer per token that recompute-instead-of-store avoids at Llama-3.1-8B (counted).
+    Two baselines: a bf16 pipeline with no FP8, and FP8 GEMMs fed by a separate quantise kernel."""
+    scale = 4                                   # one fp32 scale per FP8 row
+    rope_table = HEAD_DIM * 4                   # a cos/sin row per token: hd/2 cos + hd/2 sin, fp32
+    rows = [
+        ("RoPE: cos/sin table row not read (angles recomputed from position x inv_freq)",
+         rope_table, rope_table),
+        # fused: FP8 written once, read once by the GEMM. bf16: 2F written, 2F read. unfused FP8:
+        # 2F written, 2F read by the quantiser, F + scale written, F + scale read
+        ("SwiGLU -> FP8: no bf16 product", 2 * (FFN - scale), 4 * FFN),
+        ("2 x RMSNorm -> FP8: no bf16 norm outputs", 2 * 2 * (HIDDEN - scale), 2 * 4 * HIDDEN),
+    ]
+    print("\n## recompute instead of store: bytes avoided per layer per token (counted, Llama-3.1-8B)\n")
+    print("| what is not stored / read | vs bf16 pipeline | vs FP8 with a separate quantise kernel |")
+    print("| --- | ---: | ---: |")
+    for name, vs_bf16, vs_unfused in rows:
+        print(f"| {name} | {vs_bf16} | {vs_unfused} |")
+    print(f"| total | {sum(r[1] for r in rows)} | {sum(r[2] for r in rows)} |")
+
+
+def sweep(copy_gbs):
+    """Launch-configuration alternatives at 8192 tokens (and decode splits), to pick defaults."""
+    print("\n## launch-configuration sweep (do_bench medians)\n")
+    print("| kernel | config | us | % copy BW |")
+    print("| --- | --- | ---: | ---: |")
+
+    def row(name, config, fn, nbytes):
+        ms = bench_ms(fn)
+        print(f"| {name} | {config} | {ms * 1e3:.1f} | {100 * nbytes / ms / 1e6 / copy_gbs:.0f}% |", flush=True)
+
+    base_config = norms.row_launch_config
+    for warps in (4, 8, 16, 32):
+        norms.row_launch_config = swiglu.row_launch_config = lambda n, w=warps: (base_config(n)[0], w)
+        for name, make in (("add+rmsnorm", lambda m: case_rms(m, True, None)),
+                           ("swiglu->fp8", lambda m: case_swiglu(m, "fp8"))):
+            fused, _, _, nbytes = make(8192)
+            row(name, f"num_warps={warps}", fused, nbytes)
+    norms.row_launch_config = swiglu.row_launch_config = base_config
+    base_slice = swiglu.SLICE
+    for slice_cols in (1024, 2048, 4096, 8192):
+        swiglu.SLICE = slice_cols
+        fused, _, _, nbytes = case_swiglu(8192, None)
+        row("swiglu", f"SLICE={slice_cols}", fused, nbytes)
+    swiglu.SLICE = base_slice
+    for batch, ctx in DECODE_CASES:
+        q, kc, vc, tables, lens = decode_inputs(batch, ctx)
+        for splits in (1, 4, 16, 64):
+            row(f"decode b{batch} ctx{ctx}", f"splits={splits}",
+                lambda: attention.decode_attention_triton(q, kc, vc, tables, lens, 0.088, splits),
+                decode_bytes(batch, ctx))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="run the correctness checks only")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the launch-configuration sweep")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_fused.py needs a CUDA GPU")
+    import triton
+    torch.manual_seed(0)
+    torch._dynamo.config.recompile_limit = 64   # one compiled graph per (variant, shape)
+    print(f"# bench_fused: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+          f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+    failures = check()
+    if not args.check:
+        copy_gbs = copy_bandwidth_gbs()
+        print(f"\nHBM copy bandwidth (1 GiB device-to-device, read + write): {copy_gbs:.0f} GB/s")
+        stages = [bench_kernels, bench_decode] + ([] if args.no_sweep else [sweep])
+        for stage in stages:
+            try:
+                stage(copy_gbs)
+            except Exception:   # report, keep going with the next table
+                traceback.print_exc()
+                failures += 1
+        print_recompute_savings()
+    if failures:
+        sys.exit(f"{failures} correctness check(s) failed")
+
+
+if __name__ == "__main__":
+    main()

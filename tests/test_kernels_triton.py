@@ -1,0 +1,402 @@
+"""The fused Triton kernels (norms, SwiGLU, RoPE, paged attention) against their PyTorch references.
+
+With CUDA the kernels run compiled: the small-shape tests, and the `gpu` tests at Llama-3.1-8B
+shapes. Without CUDA the small-shape tests (marker `interpreter`) run in Triton's interpreter, in
+the child process of tests/test_interpreter.py (TRITON_INTERPRET=1 must be set before triton is
+first imported); `TRITON_INTERPRET=1 pytest tests/test_kernels_triton.py` runs them directly.
+Inputs are fresh random draws; outputs are allocated poisoned (NaN), so an element a kernel never
+writes fails its test.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine.kernels.attention as attention
+import engine.kernels.norms as norms
+import engine.kernels.rope as rope
+import engine.kernels.swiglu as swiglu
+
+pytestmark = pytest.mark.interpreter
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """torch.empty hands out NaN-filled floats (-1 for integers) while the test runs."""
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else -1)
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def tol(dtype):
+    # bf16: both sides round to bf16 (the interpreter truncates), ~2^-9 per element
+    return 1e-5 if dtype == torch.float32 else 8e-3
+
+
+def assert_close(out, ref, dtype, what=""):
+    assert not out.float().isnan().any(), f"{what}: unwritten (NaN) elements"
+    err = rel_err(out, ref)
+    assert err < tol(dtype), f"{what}: relative error {err:.2e} >= {tol(dtype):.0e}"
+
+
+def e4m3_ulp(v):
+    """Spacing of the float8_e4m3fn grid at |v| (subnormals below 2^-6 are spaced 2^-9)."""
+    exponent = torch.floor(torch.log2(v.abs().clamp(min=2.0 ** -10))).clamp(min=-6)
+    return torch.exp2(exponent - 3)
+
+
+def assert_fp8_rows(q, scale, y):
+    """q, scale: a per-row float8_e4m3fn quantisation of y (float64 [M, N]). Checks scale = amax/448
+    and that every code is y / scale rounded to the nearest e4m3 value (half an ulp, plus slack for
+    the fp32 rounding of y inside the kernel)."""
+    assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+    assert not q.float().isnan().any() and not scale.isnan().any(), "unwritten (NaN) elements"
+    want_scale = y.abs().amax(-1) / 448.0
+    assert rel_err(scale, want_scale) < 1e-5
+    v = y / scale.double()[:, None]
+    err = (q.double() - v).abs()
+    assert (err <= 0.5 * e4m3_ulp(v) * (1 + 1e-3) + 1e-5 * v.abs()).all(), \
+        f"fp8 codes off by up to {(err / e4m3_ulp(v)).max().item():.2f} ulp"
+    deq = q.double() * scale.double()[:, None]
+    assert rel_err(deq, y) < 2.0 ** -4     # e4m3: 3 mantissa bits
+
+
+def rms_rows64(x, weight, eps):
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+
+
+# --------------------------------------------------------------------------------------------------
+# norms
+
+NORM_SHAPES = [(1, 300), (37, 576), (130, 1000)]   # 1 row, SmolLM2's hidden, many rows
+
+
+def check_rms_norm(m, n, dtype, with_residual, quant):
+    x = torch.randn(m, n, device=DEVICE, dtype=dtype)
+    residual = torch.randn(m, n, device=DEVICE, dtype=dtype) if with_residual else None
+    weight = (1 + 0.5 * torch.randn(n, device=DEVICE)).to(dtype)
+    out = norms.rms_norm_triton(x, weight, 1e-5, residual, quant)
+    ref = norms.rms_norm_ref(x, weight, 1e-5, residual)
+    if with_residual:
+        out, new_residual = out
+        ref, ref_residual = ref
+        assert_close(new_residual, ref_residual, dtype, "residual")
+        normed_input = new_residual
+    else:
+        normed_input = x
+    if quant == "fp8":
+        # quantised from the fp32 normalised row of the kernel's own residual output
+        assert_fp8_rows(*out, rms_rows64(normed_input, weight, 1e-5))
+    else:
+        assert out.dtype == dtype
+        assert_close(out, ref, dtype, "rms_norm")
+
+
+@pytest.mark.parametrize("quant", [None, "fp8"])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n", NORM_SHAPES)
+def test_rms_norm(poisoned, m, n, dtype, with_residual, quant):
+    check_rms_norm(m, n, dtype, with_residual, quant)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n", NORM_SHAPES)
+def test_l2_norm(poisoned, m, n, dtype):
+    x = torch.randn(m, n, device=DEVICE, dtype=dtype)
+    assert_close(norms.l2_norm_triton(x), norms.l2_norm_ref(x), dtype, "l2_norm")
+
+
+def test_rms_norm_fp8_zero_row(poisoned):
+    """An all-zero row (after the residual add) quantises to zeros with a finite scale."""
+    x = torch.randn(3, 200, device=DEVICE)
+    residual = x.clone()
+    residual[1] = -x[1]
+    (q, scale), new_residual = norms.rms_norm_triton(x, torch.ones(200, device=DEVICE), 1e-5, residual, "fp8")
+    assert (new_residual[1] == 0).all() and (q[1].float() == 0).all() and torch.isfinite(scale).all()
+    assert (q[0].float() != 0).any()
+
+
+# --------------------------------------------------------------------------------------------------
+# SwiGLU
+
+SWIGLU_SHAPES = [(1, 300), (37, 2500), (130, 96)]  # F not a power of two; 2500 > one 2048-wide slice
+
+
+@pytest.mark.parametrize("quant", [None, "fp8"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,f", SWIGLU_SHAPES)
+def test_swiglu(poisoned, m, f, dtype, quant):
+    check_swiglu(m, f, dtype, quant)
+
+
+def check_swiglu(m, f, dtype, quant):
+    gate_up = 2 * torch.randn(m, 2 * f, device=DEVICE, dtype=dtype)
+    out = swiglu.swiglu_triton(gate_up, quant)
+    if quant == "fp8":
+        g, u = gate_up.double().chunk(2, dim=-1)
+        assert_fp8_rows(*out, torch.nn.functional.silu(g) * u)
+    else:
+        assert out.dtype == dtype
+        assert_close(out, swiglu.swiglu_ref(gate_up), dtype, "swiglu")
+
+
+# --------------------------------------------------------------------------------------------------
+# RoPE
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}
+
+
+def check_rope(t, nh, nkv, hd, dtype, max_pos, scaling):
+    # q and k are strided views of one fused qkv output, as the model hands them over
+    qkv = torch.randn(t, (nh + 2 * nkv) * hd, device=DEVICE, dtype=dtype)
+    q = qkv[:, :nh * hd].view(t, nh, hd)
+    k = qkv[:, nh * hd:(nh + nkv) * hd].view(t, nkv, hd)
+    v_before = qkv[:, (nh + nkv) * hd:].clone()
+    positions = torch.randint(0, max_pos, (t,), device=DEVICE)
+    inv_freq = rope.rope_inv_freq(hd, 500000.0, scaling).to(DEVICE)
+    q_ref, k_ref = rope.apply_rope_ref(q.clone(), k.clone(), positions, inv_freq)
+    q_out, k_out = rope.apply_rope_triton(q, k, positions, inv_freq)
+    assert q_out.data_ptr() == q.data_ptr() and k_out.data_ptr() == k.data_ptr()   # in place
+    assert_close(q, q_ref, dtype, "rope q")
+    assert_close(k, k_ref, dtype, "rope k")
+    assert torch.equal(qkv[:, (nh + nkv) * hd:], v_before), "rope wrote outside q and k"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,nh,nkv,hd", [(1, 9, 3, 64), (17, 9, 3, 64), (5, 8, 2, 128)])
+def test_rope(t, nh, nkv, hd, dtype):
+    check_rope(t, nh, nkv, hd, dtype, max_pos=100_000, scaling=None)
+
+
+def test_rope_llama3_scaling():
+    check_rope(9, 4, 2, 128, torch.float32, max_pos=130_000, scaling=LLAMA3_SCALING)
+
+
+# --------------------------------------------------------------------------------------------------
+# paged attention
+
+
+def paged_cache(num_blocks, block_size, nkv, hd, dtype):
+    k_cache = torch.randn(num_blocks, block_size, nkv, hd, device=DEVICE, dtype=dtype)
+    return k_cache, torch.randn_like(k_cache)
+
+
+def block_tables_for(context_lens, block_size, num_blocks):
+    """Each sequence gets its own random (non-contiguous) physical blocks; int32 [S, max_blocks]."""
+    need = [(c + block_size - 1) // block_size for c in context_lens]
+    width = max(need)
+    perm = torch.randperm(num_blocks)[:sum(need)].tolist()
+    tables = torch.zeros(len(context_lens), width, dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = torch.tensor(perm[at:at + n], dtype=torch.int32)
+        at += n
+    return tables.to(DEVICE)
+
+
+def check_write_kv(t, nkv, hd, dtype):
+    block_size = 16
+    num_blocks = t // block_size + 3
+    k_cache, v_cache = paged_cache(num_blocks, block_size, nkv, hd, dtype)
+    kv = torch.randn(t, 2 * nkv * hd + 8, device=DEVICE, dtype=dtype)   # strided views of one output
+    k = kv[:, :nkv * hd].view(t, nkv, hd)
+    v = kv[:, nkv * hd:2 * nkv * hd].view(t, nkv, hd)
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:t]
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    attention.write_kv_ref(k, v, k_ref, v_ref, slots)
+    attention.write_kv_triton(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,nkv,hd", [(1, 3, 64), (40, 3, 64), (7, 2, 128)])
+def test_write_kv(t, nkv, hd, dtype):
+    check_write_kv(t, nkv, hd, dtype)
+
+
+def check_decode(context_lens, nh, nkv, hd, dtype, num_splits):
+    block_size = 16
+    num_blocks = sum((c + block_size - 1) // block_size for c in context_lens) + 3
+    k_cache, v_cache = paged_cache(num_blocks, block_size, nkv, hd, dtype)
+    tables = block_tables_for(context_lens, block_size, num_blocks)
+    ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    b = len(context_lens)
+    q = torch.randn(b, nh + 2, hd, device=DEVICE, dtype=dtype)[:, 1:nh + 1]   # strided over heads
+    scale = hd ** -0.5
+    out = attention.decode_attention_triton(q, k_cache, v_cache, tables, ctx, scale, num_splits=num_splits)
+    ref = attention.decode_attention_ref(q, k_cache, v_cache, tables, ctx, scale)
+    assert_close(out, ref, dtype, f"decode (splits {num_splits})")
+
+
+GQA = [(9, 3, 64), (8, 2, 128)]   # SmolLM2's 9/3 x 64 and a Llama-like group of 4 x 128
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nh,nkv,hd", GQA)
+def test_decode_attention(poisoned, nh, nkv, hd, dtype, num_splits):
+    # 1 key; exactly one block; partial last blocks; several 64-key tiles per split
+    check_decode([1, 16, 37, 300], nh, nkv, hd, dtype, num_splits)
+
+
+def check_prefill(q_lens, prefix_lens, nh, nkv, hd, dtype, with_cache=True):
+    block_size = 16
+    ctx_lens = [q + p for q, p in zip(q_lens, prefix_lens)]
+    t = sum(q_lens)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int64, device=DEVICE)
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(t, nh, hd, device=DEVICE, dtype=dtype)
+    kv = torch.randn(t, 2 * nkv * hd, device=DEVICE, dtype=dtype)
+    k, v = kv[:, :nkv * hd].view(t, nkv, hd), kv[:, nkv * hd:].view(t, nkv, hd)
+    scale = hd ** -0.5
+    if with_cache:
+        num_blocks = sum((c + block_size - 1) // block_size for c in ctx_lens) + 2
+        k_cache, v_cache = paged_cache(num_blocks, block_size, nkv, hd, dtype)   # random prefixes
+        tables = block_tables_for(ctx_lens, block_size, num_blocks)
+        # the cache holds this step's keys too (the model writes them before attending)
+        slots = torch.cat([tables[i, torch.arange(p, c, device=DEVICE) // block_size].long() * block_size
+                           + torch.arange(p, c, device=DEVICE) % block_size
+                           for i, (p, c) in enumerate(zip(prefix_lens, ctx_lens))])
+        attention.write_kv_ref(k, v, k_cache, v_cache, slots)
+    else:
+        k_cache = v_cache = tables = None
+    out = attention.prefill_attention_triton(q, k, v, cu, ctx, tables, k_cache, v_cache, scale)
+    ref = attention.prefill_attention_ref(q, k, v, cu, ctx, tables, k_cache, v_cache, scale)
+    assert_close(out, ref, dtype, "prefill")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nh,nkv,hd", GQA)
+def test_prefill_attention_no_prefix(poisoned, nh, nkv, hd, dtype):
+    # 130 rows cross a 128-query block; 1-token prompt
+    check_prefill([1, 70, 130], [0, 0, 0], nh, nkv, hd, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nh,nkv,hd", GQA)
+def test_prefill_attention_with_prefix(poisoned, nh, nkv, hd, dtype):
+    # a decode-like chunk of 1 after 50 cached, a chunk after a block-aligned prefix, a fresh prompt
+    check_prefill([1, 70, 40], [50, 32, 0], nh, nkv, hd, dtype)
+
+
+def test_prefill_attention_one_sequence(poisoned):
+    check_prefill([45], [20], 4, 1, 64, torch.bfloat16)
+
+
+def test_prefill_attention_without_cache(poisoned):
+    """The embedding path: no paged cache at all, prompts only."""
+    check_prefill([3, 20], [0, 0], 4, 2, 64, torch.float32, with_cache=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# dispatch: what the model calls takes the kernels wherever they apply
+
+
+def test_dispatch_takes_the_kernels():
+    x = torch.randn(4, 64, device=DEVICE)
+    assert norms.triton_enabled(x)
+    w = torch.randn(64, device=DEVICE)
+    assert torch.equal(norms.rms_norm(x, w, 1e-6), norms.rms_norm_triton(x, w, 1e-6))
+    assert torch.equal(norms.l2_norm(x), norms.l2_norm_triton(x))
+    assert torch.equal(swiglu.swiglu(x), swiglu.swiglu_triton(x))
+    q, s = norms.rms_norm(x, w, 1e-6, quant="fp8")
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (4,)
+
+
+def test_fused_kernels_switch():
+    """EngineConfig.fused_kernels=False: norm, SwiGLU and RoPE take their references; attention keeps
+    its kernels (its reference is a Python loop, not a baseline)."""
+    x = torch.randn(4, 64, device=DEVICE)
+    try:
+        norms.set_fused_kernels(False)
+        assert not norms.triton_enabled(x)
+        assert norms.triton_available(x)
+        q = torch.randn(3, 2, 64, device=DEVICE)
+        k = torch.randn(3, 1, 64, device=DEVICE)
+        q_out, _ = rope.apply_rope(q, k, torch.arange(3, device=DEVICE), rope.rope_inv_freq(64, 1e4).to(DEVICE))
+        assert q_out.data_ptr() != q.data_ptr()   # the reference returns new tensors
+    finally:
+        norms.set_fused_kernels(None)
+    assert norms.triton_enabled(x)
+
+
+def test_reference_path_on_cpu_without_interpreter(monkeypatch):
+    """With the interpreter off, CPU tensors take the references (how the CPU engine runs)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x = torch.randn(2, 32)
+    assert not norms.triton_enabled(x)
+    assert torch.equal(norms.rms_norm(x, torch.ones(32), 1e-6), norms.rms_norm_ref(x, torch.ones(32), 1e-6))
+
+
+# --------------------------------------------------------------------------------------------------
+# Llama-3.1-8B shapes on the GPU: hidden 4096, ffn 14336, 32 query / 8 KV heads x 128
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 64, 8192])
+def test_gpu_rms_norm_llama(poisoned, m):
+    for with_residual in (False, True):
+        for quant in (None, "fp8"):
+            check_rms_norm(m, 4096, torch.bfloat16, with_residual, quant)
+
+
+@pytest.mark.gpu
+def test_gpu_l2_norm_llama(poisoned):
+    x = torch.randn(8192, 4096, device=DEVICE, dtype=torch.bfloat16)
+    assert_close(norms.l2_norm_triton(x), norms.l2_norm_ref(x), torch.bfloat16, "l2_norm")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 64, 2048])
+def test_gpu_swiglu_llama(poisoned, m):
+    for quant in (None, "fp8"):
+        check_swiglu(m, 14336, torch.bfloat16, quant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 64, 8192])
+def test_gpu_rope_llama(t):
+    check_rope(t, 32, 8, 128, torch.bfloat16, max_pos=131_072, scaling=LLAMA3_SCALING)
+
+
+@pytest.mark.gpu
+def test_gpu_write_kv_llama():
+    check_write_kv(8192, 8, 128, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 1, 8])
+def test_gpu_decode_attention_llama(poisoned, num_splits):
+    check_decode([1, 1000, 4097, 8191], 32, 8, 128, torch.bfloat16, num_splits)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_attention_batch64(poisoned):
+    lens = torch.randint(1, 4096, (64,)).tolist()
+    check_decode(lens, 32, 8, 128, torch.bfloat16, None)
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_attention_llama(poisoned):
+    check_prefill([1, 200, 1000], [0, 0, 0], 32, 8, 128, torch.bfloat16)
+    check_prefill([1, 200, 1000], [700, 100, 513], 32, 8, 128, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_attention_exact():
+    """fp32 inputs run the attention dots in IEEE fp32 (no tf32): error at fp32 rounding level."""
+    check_decode([1, 333, 2000], 32, 8, 128, torch.float32, 4)
+    check_prefill([5, 300], [0, 77], 32, 8, 128, torch.float32)
