@@ -5,6 +5,7 @@ it requests. Each step's outputs go to the request's sink (a callable taking a S
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -13,12 +14,15 @@ import torch
 
 from engine.batch import build_batch, build_prefill_only
 from engine.config import EngineConfig, resolve_device, resolve_dtype
+from engine.kernels.norms import set_fused_kernels, triton_available
 from engine.linear import convert_model, input_channel_norms
 from engine.memory.kv_cache import KVCache
 from engine.quality import calibration_windows
 from engine.sampling import Sampler, SamplingParams, TokenLogprob
 from engine.scheduler import Scheduler, Sequence
 import models.loader  # module import: models.llama imports engine.kernels, so this cycles
+
+log = logging.getLogger("microengine")
 
 CPU_KV_TOKENS = 16384          # the CPU has no "free device memory" to size from
 
@@ -103,6 +107,8 @@ class Engine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        # A process-wide switch: engines in one process share the setting of the last one built.
+        set_fused_kernels(config.fused_kernels)
         loaded = models.loader.load_model(config.model, self.device, self.dtype, seed=config.seed,
                                           tokenizer=config.tokenizer)
         self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
@@ -151,14 +157,18 @@ class Engine:
 
     def _capture_graphs(self) -> None:
         from engine.cuda_graphs import DecodeGraphs
-        from engine.kernels.norms import triton_enabled
-        probe = self.model.embed_tokens.weight
-        if not triton_enabled(probe):
+        if not triton_available(self.model.embed_tokens.weight):
             return      # the reference attention syncs with the host: nothing to capture
         max_blocks = -(-self.max_model_len // self.config.block_size)
-        self.graphs = DecodeGraphs(self.model, self.kv_cache, min(self.config.max_num_seqs, 512),
-                                   max_blocks, self.kv_cache.scratch_block)
-        self.graphs.capture()
+        graphs = DecodeGraphs(self.model, self.kv_cache, min(self.config.max_num_seqs, 512),
+                              max_blocks, self.kv_cache.scratch_block)
+        try:
+            graphs.capture()
+        except RuntimeError as e:   # a backend that cannot be captured: run decode eagerly
+            log.warning("CUDA graph capture failed, decode steps run eagerly: %s", e)
+            torch.cuda.synchronize()
+            return
+        self.graphs = graphs
 
     # ---------------------------------------------------------------- requests
 

@@ -3,8 +3,9 @@ import pytest
 import torch
 
 
-def to_hf(model):
-    """A transformers LlamaForCausalLM holding the same weights as our model (fused q/k/v, gate/up split)."""
+def to_hf(model, dtype=None):
+    """A transformers LlamaForCausalLM holding the same weights as our model (fused q/k/v, gate/up
+    split), in `dtype` (default: our model's)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     c = model.config
     hf_cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
@@ -13,8 +14,13 @@ def to_hf(model):
                          head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
                          rope_scaling=c.rope_scaling, max_position_embeddings=c.max_position_embeddings,
                          tie_word_embeddings=c.tie_word_embeddings)
-    dev, dt = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
+    dev = model.embed_tokens.weight.device
+    dt = dtype or model.embed_tokens.weight.dtype
     hf = LlamaForCausalLM(hf_cfg).to(device=dev, dtype=dt).eval()
+    # Module.to(dtype) also rounds the RoPE frequencies to bf16, which transformers itself never
+    # does (they stay fp32 when it loads a bf16 model): put fp32 frequencies back, ours (the
+    # Llama-3 scaling formula is checked against transformers' in test_model.py).
+    hf.model.rotary_emb.inv_freq = model.inv_freq.clone()
     nq, nkv, f = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
     with torch.no_grad():
         hf.model.embed_tokens.weight.copy_(model.embed_tokens.weight)
@@ -44,6 +50,7 @@ def test_llama_3_2_1b_bf16_matches_transformers():
     llm = LLM("llama-3.2-1b", device="cuda", dtype="bf16", kv_cache_tokens=8192)
     try:
         hf = to_hf(llm.engine.model)
+        hf32 = to_hf(llm.engine.model, torch.float32)
         gen = torch.Generator().manual_seed(0)
         ours_all, theirs_all, ref_all = [], [], []
         for n in (7, 300):
@@ -52,8 +59,7 @@ def test_llama_3_2_1b_bf16_matches_transformers():
             ours = llm.logits(ids).float()
             with torch.no_grad():
                 theirs = hf(x).logits[0].float().cpu()
-                ref = hf.float()(x).logits[0].cpu()
-                hf.bfloat16()
+                ref = hf32(x).logits[0].cpu()
             err_ours = ((ours - ref).norm() / ref.norm()).item()
             err_hf = ((theirs - ref).norm() / ref.norm()).item()
             assert err_ours < max(1.5 * err_hf, 5e-3), (err_ours, err_hf)

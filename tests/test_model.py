@@ -62,6 +62,9 @@ def test_hf_directory_logits_match(tmp_path, tie):
         with torch.no_grad():
             ref = ref_model(torch.tensor([ids])).logits[0]
         ours = llm.logits(ids)
+        # Llama-3 rope scaling: the frequencies themselves agree, not only the logits.
+        torch.testing.assert_close(llm.engine.model.inv_freq, ref_model.model.rotary_emb.inv_freq.float(),
+                                   rtol=1e-6, atol=0)
         assert (ours - ref).abs().max().item() < 1e-3
         # Greedy decoding through the paged cache agrees with transformers too.
         out = llm.generate([ids[:20]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
