@@ -35,7 +35,7 @@ CONFIGS = {
     "2:4":          ({"sparse_ffn": "magnitude"}, False),
     "2:4+fp8":      ({"sparse_ffn": "magnitude", "weights": "fp8"}, False),
 }
-QUALITY = {"bf16": {}, "fp8": {"weights": "fp8"}, "nvfp4": {"weights": "nvfp4"},
+QUALITY = {"dense": {}, "fp8": {"weights": "fp8"}, "nvfp4": {"weights": "nvfp4"},
            "2:4 magnitude": {"sparse_ffn": "magnitude"}, "2:4 wanda": {"sparse_ffn": "wanda"},
            "2:4+fp8": {"sparse_ffn": "magnitude", "weights": "fp8"}}
 GUARD_PROMPT = "The quick brown fox jumps over the lazy dog. In the beginning"
@@ -68,17 +68,24 @@ def measure_copy_bandwidth(device) -> float:
 
 
 def measure_matmul_peak(device, dtype=torch.bfloat16) -> float:
+    """cuBLAS FLOP/s on an 8192^3 product of random data (fp8: torch._scaled_mm, e4m3)."""
     if device.type != "cuda":
         return float("nan")
     n = 8192
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    if dtype == torch.float8_e4m3fn:
+        one = torch.ones((), device=device)
+        bt = b.t()   # _scaled_mm wants its second operand column-major
+        mm = lambda: torch._scaled_mm(a, bt, one, one, out_dtype=torch.bfloat16)  # noqa: E731
+    else:
+        mm = lambda: a @ b  # noqa: E731
     for _ in range(3):
-        a @ b
+        mm()
     sync(device)
     t = time.perf_counter()
     for _ in range(10):
-        a @ b
+        mm()
     sync(device)
     return 2 * n ** 3 * 10 / (time.perf_counter() - t)
 
@@ -247,7 +254,8 @@ def bench_config(name, overrides, args, device, shared):
         ideal = (wbytes + b * ctx * kv_per_token) / shared["copy_bw"]
         row[f"decode_b{b}_roofline_pct"] = 100 * ideal / step_s
     row["throughput_tok_s"] = bench_throughput(engine, rng, vocab, args.requests, args.min_len, args.max_len)
-    shared.setdefault("points", []).extend(gemm_points(engine, name, args.gemm_ms))
+    if "fused_kernels" not in overrides:    # the other switches leave the GEMMs as they are
+        shared.setdefault("points", []).extend(gemm_points(engine, name, args.gemm_ms))
     if device.type == "cuda":
         row["peak_mem_GB"] = torch.cuda.max_memory_allocated(device) / 1e9
     del engine
@@ -298,9 +306,11 @@ def bench_hf(args, device, rng_seed=0):
 
 
 def quality(args, device):
+    """Perplexity of the embedded SmolLM2 under each weight format, and how often its next-token
+    prediction agrees with the dense model's (in the model dtype) at every position of the text."""
     from engine.llm import LLM
-    from engine.quality import perplexity
-    rows = {}
+    from engine.quality import evaluate
+    rows, reference = {}, None
     for name, overrides in QUALITY.items():
         try:
             llm = LLM("llama", device=str(device), dtype=args.dtype, **overrides)
@@ -308,9 +318,12 @@ def quality(args, device):
             rows[name] = f"n/a ({e})"
             continue
         try:
-            rows[name] = perplexity(llm, window=args.ppl_window, count=args.ppl_windows)
+            ppl, predictions, agreement = evaluate(llm, args.ppl_window, args.ppl_windows, reference)
         finally:
             llm.shutdown(timeout=1)
+        if reference is None:
+            reference, agreement = predictions, 1.0
+        rows[name] = {"perplexity": ppl, "top1_agreement": agreement}
     return rows
 
 
@@ -331,7 +344,7 @@ def markdown_table(results) -> str:
     keys = ["prefill_tok_s"] + [f"decode_b{b}_tok_s" for b in results["args"]["decode_batches"]] + \
            ["throughput_tok_s", "peak_mem_GB", "agreement"] + \
            [f"decode_b{b}_roofline_pct" for b in results["args"]["decode_batches"]]
-    head = "| config | " + " | ".join(keys) + " |\n|" + "---|" * (len(keys) + 1) + "\n"
+    head = "| config | " + " | ".join(keys) + " |\n|" + "---|" * (len(keys) + 1) + "\n" if rows else ""
     body = ""
     for r in rows:
         cells = []
@@ -340,9 +353,9 @@ def markdown_table(results) -> str:
             cells.append("" if v is None else (f"{v:.3g}" if isinstance(v, float) and abs(v) < 10 else
                                                f"{v:.0f}" if isinstance(v, float) else str(v)))
         body += f"| {r['config']} | " + " | ".join(cells) + " |\n"
-    q = "\n| quality (embedded SmolLM2) | perplexity |\n|---|---|\n" + "".join(
-        f"| {k} | {v:.3f} |\n" if isinstance(v, float) else f"| {k} | {v} |\n"
-        for k, v in results.get("quality", {}).items())
+    q = "\n| quality (embedded SmolLM2) | perplexity | top-1 agreement with dense |\n|---|---|---|\n" + "".join(
+        f"| {k} | {v['perplexity']:.3f} | {v['top1_agreement']:.3f} |\n" if isinstance(v, dict)
+        else f"| {k} | {v} | |\n" for k, v in results.get("quality", {}).items())
     ceil = results["ceilings"]
     hdr = (f"device: {results['device']}; copy bandwidth {ceil['copy_GBps']:.0f} GB/s; "
            f"bf16 GEMM {ceil['bf16_TFLOPs']:.0f} TFLOP/s\n\n")
@@ -390,13 +403,14 @@ def plot_roofline(results, path):
         ps = [p for p in points if p["config"] == c]
         ax.scatter([p["intensity"] for p in ps], [p["flops_per_s"] / 1e12 for p in ps],
                    marker=markers[c], label=c, alpha=0.8)
-    bw, peak = results["ceilings"]["copy_GBps"] * 1e9, results["ceilings"]["bf16_TFLOPs"] * 1e12
-    if bw == bw and peak == peak:   # not nan: a GPU run
-        xs = [0.3, 3e4]
-        ax.plot(xs, [min(x * bw, peak) / 1e12 for x in xs], "k--", lw=1)
-        knee = peak / bw
-        ax.plot([0.3, knee, 3e4], [0.3 * bw / 1e12, peak / 1e12, peak / 1e12], "k-", lw=1,
-                label=f"measured: {bw / 1e12:.2f} TB/s copy, {peak / 1e12:.0f} TFLOP/s bf16")
+    bw = results["ceilings"]["copy_GBps"] * 1e9
+    for key, style in (("bf16_TFLOPs", "k-"), ("fp8_TFLOPs", "k--")):
+        peak = results["ceilings"].get(key, float("nan")) * 1e12
+        if bw == bw and peak == peak:   # not nan: measured on a GPU in this run
+            knee = peak / bw
+            ax.plot([0.3, knee, 3e4], [0.3 * bw / 1e12, peak / 1e12, peak / 1e12], style, lw=1,
+                    label=f"measured roof: {bw / 1e12:.2f} TB/s, {peak / 1e12:.0f} TFLOP/s "
+                          f"{key.split('_')[0]}")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (FLOP / byte of weights + activations)")
@@ -433,7 +447,14 @@ def main(argv=None):
     ap.add_argument("--ppl-windows", type=int, default=8)
     ap.add_argument("--gemm-ms", default="1,16,128,1024,8192", help="M values of the roofline points")
     ap.add_argument("--out", default="bench_results", help="folder for results.json/.md and the plots")
+    ap.add_argument("--replot", metavar="RESULTS_JSON",
+                    help="only redraw the table and pictures of an earlier run's results.json")
     args = ap.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            results = json.load(f)
+        print(write_outputs(results, args))
+        return
     if args.quick:
         args.model = "llama-tiny" if args.model == "llama-3.1-8b" else args.model
         args.requests, args.min_len, args.max_len = 8, 8, 32
@@ -454,7 +475,8 @@ def main(argv=None):
     shared = {"copy_bw": measure_copy_bandwidth(device)}   # nan on the CPU: no roofline there
     results = {"device": dev_name, "args": vars(args), "date": time.strftime("%Y-%m-%d"),
                "ceilings": {"copy_GBps": shared["copy_bw"] / 1e9,
-                            "bf16_TFLOPs": measure_matmul_peak(device) / 1e12},
+                            "bf16_TFLOPs": measure_matmul_peak(device) / 1e12,
+                            "fp8_TFLOPs": measure_matmul_peak(device, torch.float8_e4m3fn) / 1e12},
                "configs": []}
     steps = names + ([] if args.no_hf else ["HF transformers"]) + ([] if args.no_quality else ["quality"])
     if args.quality_only:

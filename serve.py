@@ -620,7 +620,10 @@ ENGINE_HELP = {
     "dtype": "model dtype: bf16, fp16 or fp32 (default: bf16 on cuda, fp32 on cpu)",
     "weights": "linear-layer weight format",
     "sparse_ffn": "prune the FFN weights to 2:4 with this method (alone: magnitude)",
-    "fused_kernels": "Triton norm/RoPE/SwiGLU/attention kernels (default: on for cuda)",
+    "fused_kernels": "fused Triton norm/RoPE/SwiGLU kernels; off: PyTorch references (attention "
+                     "always uses its Triton kernels on cuda) (default: on)",
+    "tokenizer": "tokenizer directory for shape presets (default: the embedded model's, or "
+                 "$MICROENGINE_TOKENIZER)",
     "kv_cache_tokens": "KV-cache size in tokens (default: --kv-cache-memory-fraction of free GPU memory)",
     "kv_cache_memory_fraction": "fraction of free GPU memory for the KV cache",
     "block_size": "tokens per KV-cache block (a power of two)",

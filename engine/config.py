@@ -3,7 +3,7 @@ technique on and off against the dense baseline."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -44,7 +44,7 @@ class EngineConfig:
     dtype: str | torch.dtype | None = None  # None: bf16 on cuda, fp32 on cpu
     weights: str = "bf16"                 # linear-layer weight format: bf16 (the model dtype), fp8, nvfp4
     sparse_ffn: str | None = None         # None, "magnitude" or "wanda": prune FFN weights to 2:4
-    fused_kernels: bool | None = None     # Triton norm/RoPE/SwiGLU/attention kernels; None: on for cuda
+    fused_kernels: bool | None = None     # fused Triton norm/RoPE/SwiGLU kernels; None: on (where Triton runs)
     # KV cache: a token count, or else a fraction of the free device memory (cuda) / a fixed default (cpu)
     kv_cache_tokens: int | None = None
     kv_cache_memory_fraction: float = 0.85
@@ -55,7 +55,6 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True              # capture decode steps in CUDA graphs (cuda only)
     seed: int = 0                         # seeds random preset weights and unseeded sampling
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.tokenizer is None:

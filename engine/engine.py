@@ -60,7 +60,7 @@ class _Detokenizer:
     """Incremental detokenization that never splits a multi-byte character, and holds back the
     text that could still turn out to be the start of a stop string."""
 
-    def __init__(self, tokenizer, prompt_ids, stops):
+    def __init__(self, tokenizer, stops):
         self.tok = tokenizer
         self.ids: list[int] = []
         self.prefix_offset = self.read_offset = 0
@@ -188,7 +188,7 @@ class Engine:
             sink(StreamChunk(request_id, [], "", "abort", len(prompt_ids), 0))
             raise ValueError(f"request_id: {request_id!r} is already running")
         seq = Sequence(request_id, list(prompt_ids), params, max_tokens)
-        detok = _Detokenizer(self.tokenizer, prompt_ids, params.stop_list) if params.detokenize else None
+        detok = _Detokenizer(self.tokenizer, params.stop_list) if params.detokenize else None
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)

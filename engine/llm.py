@@ -11,6 +11,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 import weakref
 from collections import deque
 from concurrent.futures import Future
@@ -260,7 +261,6 @@ class LLM:
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop admitting; let in-flight requests finish for up to `timeout` seconds, abort the rest."""
-        import time
         self._accepting = False
         deadline = time.monotonic() + timeout
         while self._call(self.engine.has_work) and time.monotonic() < deadline:

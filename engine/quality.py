@@ -38,13 +38,23 @@ def eval_token_windows(tokenizer, window: int = 512, count: int = 8, modules=EVA
     return [ids[i * window:(i + 1) * window] for i in range(min(count, len(ids) // window))]
 
 
-def perplexity(llm, window: int = 512, count: int = 8) -> float:
-    """exp(mean next-token NLL) of the model over `count` windows of the evaluation text."""
+def evaluate(llm, window: int = 512, count: int = 8, reference: list | None = None):
+    """Perplexity (exp of the mean next-token NLL) over `count` windows of the evaluation text, the
+    model's argmax predictions at every position, and, given a reference model's predictions, the
+    fraction of positions where the two agree (teacher-forced top-1 agreement)."""
     import torch
-    nll, n = 0.0, 0
+    nll, n, predictions = 0.0, 0, []
     for ids in eval_token_windows(llm.tokenizer, window, count):
         logits = llm.logits(ids)
         lp = torch.log_softmax(logits[:-1].double(), -1)
         nll -= lp.gather(1, torch.tensor(ids[1:])[:, None]).sum().item()
         n += len(ids) - 1
-    return math.exp(nll / n)
+        predictions.append(logits.argmax(-1))
+    agreement = None
+    if reference is not None:
+        agreement = (torch.cat(predictions) == torch.cat(reference)).float().mean().item()
+    return math.exp(nll / n), predictions, agreement
+
+
+def perplexity(llm, window: int = 512, count: int = 8) -> float:
+    return evaluate(llm, window, count)[0]

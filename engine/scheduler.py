@@ -50,15 +50,14 @@ class Sequence:
     def __len__(self):
         return len(self.prompt_ids) + len(self.output_ids)
 
-    def token(self, i):
-        n = len(self.prompt_ids)
-        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
-
     def tokens(self, start, end):
+        """Tokens [start, end) of prompt + output, without concatenating the two (a hot path)."""
         n = len(self.prompt_ids)
         if end <= n:
             return self.prompt_ids[start:end]
-        return (self.prompt_ids + self.output_ids)[start:end]
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        return self.prompt_ids[start:] + self.output_ids[:end - n]
 
 
 @dataclass

@@ -22,8 +22,9 @@ def test_bench_quick_runs_every_configuration(tmp_path):
         assert row["prefill_tok_s"] > 0 and row["decode_b1_tok_s"] > 0
     assert rows["dense"]["agreement"] == 1.0
     quality = results["quality"]
-    assert all(isinstance(v, float) and v > 1 for v in quality.values()), quality
+    assert all(v["perplexity"] > 1 and 0 < v["top1_agreement"] <= 1 for v in quality.values()), quality
+    assert quality["dense"]["top1_agreement"] == 1.0
     assert (out / "results.md").read_text().count("|") > 20
     assert (out / "tokens_per_sec.png").stat().st_size > 1000
     assert (out / "roofline.png").stat().st_size > 1000
-    assert {p["config"] for p in results["gemm_points"]} == set(CONFIGS)
+    assert {p["config"] for p in results["gemm_points"]} == set(CONFIGS) - {"fused-off"}
