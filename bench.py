@@ -128,14 +128,16 @@ def bench_decode(engine, rng, vocab, batch, prompt_len, steps):
     for _ in range(3):
         engine.step()                           # warm-up (and CUDA graph capture, if any)
     sync(engine.device)
+    host_before = engine.stats["host_s"]
     t = time.perf_counter()
     for _ in range(steps):
         engine.step()
     sync(engine.device)
     elapsed = time.perf_counter() - t
+    host = (engine.stats["host_s"] - host_before) / steps
     for rid in list(engine.requests):
         engine.abort(rid)
-    return batch * steps / elapsed, elapsed / steps
+    return batch * steps / elapsed, elapsed / steps, host
 
 
 def bench_throughput(engine, rng, vocab, num, lo, hi):
@@ -248,8 +250,9 @@ def bench_config(name, overrides, args, device, shared):
     wbytes = weight_bytes(engine)
     row["weight_GB"] = wbytes / 1e9
     for b in args.decode_batches:
-        tps, step_s = bench_decode(engine, rng, vocab, b, args.decode_prompt, args.decode_steps)
+        tps, step_s, host_s = bench_decode(engine, rng, vocab, b, args.decode_prompt, args.decode_steps)
         row[f"decode_b{b}_tok_s"] = tps
+        row[f"decode_b{b}_host_ms"] = host_s * 1e3
         ctx = args.decode_prompt + args.decode_steps // 2
         ideal = (wbytes + b * ctx * kv_per_token) / shared["copy_bw"]
         row[f"decode_b{b}_roofline_pct"] = 100 * ideal / step_s
@@ -343,7 +346,8 @@ def markdown_table(results) -> str:
     rows = results["configs"]
     keys = ["prefill_tok_s"] + [f"decode_b{b}_tok_s" for b in results["args"]["decode_batches"]] + \
            ["throughput_tok_s", "peak_mem_GB", "agreement"] + \
-           [f"decode_b{b}_roofline_pct" for b in results["args"]["decode_batches"]]
+           [f"decode_b{b}_roofline_pct" for b in results["args"]["decode_batches"]] + \
+           [f"decode_b{b}_host_ms" for b in results["args"]["decode_batches"]]
     head = "| config | " + " | ".join(keys) + " |\n|" + "---|" * (len(keys) + 1) + "\n" if rows else ""
     body = ""
     for r in rows:

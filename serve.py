@@ -530,6 +530,7 @@ _HELP = {
     "prefix_cache_hits": "prompt blocks found in the prefix cache",
     "prefix_cache_hit_rate": "prefix-cache hits / queries", "preemptions": "requests preempted (recomputed)",
     "steps": "engine steps run", "tokens_per_step": "mean tokens per engine step",
+    "host_seconds_per_step": "mean host time per step outside device work and sampling",
     "requests_finished": "requests finished", "requests_aborted": "requests aborted",
     "ttft_seconds": "time to first token", "itl_seconds": "inter-token latency",
 }

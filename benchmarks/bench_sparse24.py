@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from engine.kernels import sparse24 as s24
+from engine.kernels.fp8 import quantize_rows_fp8
 from engine.kernels.swiglu import swiglu
 
 HIDDEN, FFN = 4096, 14336
@@ -86,7 +87,7 @@ class Weights:
         self.n, self.k = n, k
         self.dense = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
         self.pruned = s24.prune_24(self.dense)
-        self.q8, self.s8 = s24.quantize_fp8_rows(self.dense)
+        self.q8, self.s8 = quantize_rows_fp8(self.dense)
         self.sp = s24.Sparse24Weight.from_dense(self.pruned)
         self.sp8 = s24.Sparse24Fp8Weight.from_dense(self.pruned)
         self.q8t = self.q8.t()

@@ -131,7 +131,7 @@ class Engine:
         if self.device.type == "cuda" and config.cuda_graphs:
             self._capture_graphs()
         self.requests: dict[str, Request] = {}
-        self.stats = {"steps": 0, "step_tokens": 0, "finished": 0, "aborted": 0}
+        self.stats = {"steps": 0, "step_tokens": 0, "finished": 0, "aborted": 0, "host_s": 0.0}
         self.ttft, self.itl = LatencySummary(), LatencySummary()
 
     def _num_kv_blocks(self) -> int:
@@ -210,6 +210,7 @@ class Engine:
 
     def step(self) -> int:
         """Run one step; returns the number of tokens it computed."""
+        t_start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return 0
@@ -219,6 +220,7 @@ class Engine:
         else:
             hidden = self.model(batch.input_ids, batch.positions, batch)
             logits = self.model.compute_logits(hidden[batch.logits_indices]) if batch.sampled else None
+        t_launched = time.perf_counter()
         token_ids, logprobs = [], []
         if batch.sampled:
             reqs = [self.requests[s.seq.request_id] for s in batch.sampled]
@@ -232,6 +234,9 @@ class Engine:
             self._emit(self.requests[item.seq.request_id], tok, lp, now)
         self.stats["steps"] += 1
         self.stats["step_tokens"] += batch.num_tokens
+        # Host time of the step outside the device's work and the sampler: scheduling, building the
+        # batch, launching the forward (one graph replay when captured), and the bookkeeping after.
+        self.stats["host_s"] += (t_launched - t_start) + (time.perf_counter() - now)
         return batch.num_tokens
 
     def _emit(self, req: Request, token: int, logprob, now: float) -> None:
@@ -287,6 +292,7 @@ class Engine:
             "prefix_cache_hit_rate": pool.hits / pool.queries if pool.queries else 0.0,
             "preemptions": self.scheduler.num_preemptions, "steps": s["steps"],
             "tokens_per_step": s["step_tokens"] / s["steps"] if s["steps"] else 0.0,
+            "host_seconds_per_step": s["host_s"] / s["steps"] if s["steps"] else 0.0,
             "requests_finished": s["finished"], "requests_aborted": s["aborted"],
             "ttft_seconds": self.ttft.summary(), "itl_seconds": self.itl.summary(),
         }

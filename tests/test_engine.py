@@ -122,3 +122,22 @@ def test_batched_equals_alone_gpu():
         assert [o.token_ids for o in gpu.generate(prompts, p)] == alone
     finally:
         gpu.shutdown(timeout=1)
+
+
+@pytest.mark.gpu
+def test_fused_kernels_on_and_off_give_the_same_tokens_gpu():
+    """llama-3.2-1b shapes: the fused norm/RoPE/SwiGLU kernels against their references, whole model.
+    fp32, because random weights give near-flat logits whose greedy ties bf16 rounding would flip."""
+    from engine.kernels.norms import set_fused_kernels
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gpu = LLM("llama-3.2-1b", device="cuda", dtype="fp32", kv_cache_tokens=16384, cuda_graphs=False)
+    try:
+        prompts = [list(range(11 + i, 11 + i + n)) for i, n in enumerate([1, 9, 64, 300])]
+        p = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        fused = [o.token_ids for o in gpu.generate(prompts, p)]
+        set_fused_kernels(False)
+        reference = [o.token_ids for o in gpu.generate(prompts, p)]
+        assert fused == reference
+    finally:
+        set_fused_kernels(True)
+        gpu.shutdown(timeout=1)

@@ -26,10 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.fp8 import quantize_act_fp8, quantize_rows_fp8
 from engine.linear import LinearBackend
-
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-
 
 # ----------------------------------------------------------------------------- pruning
 
@@ -115,13 +113,6 @@ def sparse24_linear_ref(x: torch.Tensor, t: Sparse24Tensor, scale: torch.Tensor 
     if scale is not None:
         w = w * scale.float().reshape(-1, 1)
     return (x.float() @ w.t()).to(x.dtype)
-
-
-def quantize_fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row e4m3 quantization: (q, scale) with w ~= q * scale[:, None], scale = amax/448 (fp32)."""
-    scale = w.float().abs().amax(dim=1).clamp_min(1e-12) / FP8_MAX
-    q = (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale
 
 
 # ----------------------------------------------------------------------------- decode kernel
@@ -210,21 +201,6 @@ def _time_ms(fn) -> float:
         return do_bench(fn, warmup=5, rep=20, return_mode="median")
     except Exception:  # a config the compiler or the GPU rejects (shared memory, registers)
         return float("inf")
-
-
-def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token e4m3 activations (q [M, K], scale fp32 [M]), one Triton pass on CUDA."""
-    if not x.is_cuda:
-        return quantize_fp8_rows(x)
-    from engine.kernels.sparse24_triton import quantize_fp8_rows_kernel
-    m, k = x.shape
-    x = x.contiguous()
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(m, dtype=torch.float32, device=x.device)
-    block = max(16, 1 << (k - 1).bit_length())
-    quantize_fp8_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), BLOCK_K=block,
-                                   num_warps=8 if block >= 4096 else 4)
-    return q, s
 
 
 # ----------------------------------------------------------------------------- prefill paths
@@ -389,7 +365,7 @@ class Sparse24Fp8Weight(LinearBackend):
         if not is_24_sparse(w):  # a checkpoint that is already 2:4 is kept exactly
             w = prune_24(w, score)
         t = compress_24(w)
-        q, scale = quantize_fp8_rows(t.values)
+        q, scale = quantize_rows_fp8(t.values)
         return cls(Sparse24Tensor(q, t.meta, t.shape), scale, w.dtype)
 
     @property

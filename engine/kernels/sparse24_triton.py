@@ -178,15 +178,3 @@ def sparse24_xsplit_kernel(
         acc = tl.dot(x2, tl.trans(d2), acc)
         acc = tl.dot(x3, tl.trans(d3), acc)
     _store(y_ptr, acc, offs_m, offs_n, mask_m, mask_n, scale_ptr, stride_ym, HAS_SCALE, SPLIT_K)
-
-
-@triton.jit
-def quantize_fp8_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr):
-    """One row per program, one read of x and one write of q: scale = amax(row)/448, q = x/scale (e4m3)."""
-    row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_K)
-    x = tl.load(x_ptr + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / 448.0
-    tl.store(s_ptr + row, scale)
-    q = tl.clamp(x / scale, -448.0, 448.0)
-    tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
