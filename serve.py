@@ -633,6 +633,8 @@ ENGINE_HELP = {
     "max_num_batched_tokens": "token budget of one step (decode tokens plus prefill chunks)",
     "enable_prefix_caching": "reuse the KV blocks of shared prompt prefixes",
     "cuda_graphs": "capture decode steps in CUDA graphs (cuda only)",
+    "gpu_memory_limit": "GiB of device memory for weights, KV cache and activations; decoder layers "
+                        "that do not fit are streamed from pinned host memory (default: no limit)",
     "seed": "seed for random preset weights and for requests without a seed",
 }
 

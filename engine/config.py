@@ -54,6 +54,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192    # per-step token budget (decode tokens + prefill chunks)
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True              # capture decode steps in CUDA graphs (cuda only)
+    # GiB of device memory for weights + KV cache + activations; decoder layers that do not fit
+    # stay in pinned host memory and are streamed through two device buffers (off when None).
+    gpu_memory_limit: float | None = None
     seed: int = 0                         # seeds random preset weights and unseeded sampling
 
     def __post_init__(self):
@@ -69,6 +72,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_tokens: must be at least one block ({self.block_size} tokens)")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError("block_size: must be a power of two")
+        if self.gpu_memory_limit is not None and self.gpu_memory_limit <= 0:
+            raise ValueError("gpu_memory_limit: must be a positive number of GiB")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs: must be >= 1")
         if self.max_num_batched_tokens < self.block_size:

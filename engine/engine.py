@@ -25,6 +25,7 @@ import models.loader  # module import: models.llama imports engine.kernels, so t
 log = logging.getLogger("microengine")
 
 CPU_KV_TOKENS = 16384          # the CPU has no "free device memory" to size from
+OFFLOAD_KV_TOKENS = 16384      # KV cache size planned into gpu_memory_limit when none is given
 
 
 @dataclass
@@ -119,6 +120,7 @@ class Engine:
                 windows = calibration_windows(self.tokenizer)
                 norms = input_channel_norms(self.model, lambda: self.hidden_states(windows, check=False))
             convert_model(self.model, config.weights, config.sparse_ffn, norms)
+        self.streamer = self._stream_layers() if config.gpu_memory_limit is not None else None
         self.eos_ids = set(cfg.eos_token_ids)
         self.max_model_len = min(config.max_model_len or min(cfg.max_position_embeddings, 8192),
                                  cfg.max_position_embeddings)
@@ -128,25 +130,35 @@ class Engine:
                                    self.max_model_len, config.enable_prefix_caching)
         self.sampler = Sampler(self.device, config.seed)
         self.graphs = None
-        if self.device.type == "cuda" and config.cuda_graphs:
+        # Streamed layers swap their weights in forward hooks, which a captured graph would skip.
+        if self.device.type == "cuda" and config.cuda_graphs and self.streamer is None:
             self._capture_graphs()
         self.requests: dict[str, Request] = {}
         self.stats = {"steps": 0, "step_tokens": 0, "finished": 0, "aborted": 0, "host_s": 0.0}
         self.ttft, self.itl = LatencySummary(), LatencySummary()
 
-    def _num_kv_blocks(self) -> int:
+    def _kv_bytes_per_token(self) -> int:
+        cfg = self.model_config
+        return KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+
+    def _activation_reserve(self) -> int:
+        """Room for the largest step's activations (the gate/up output dominates, kept twice over for
+        SwiGLU) and for its fp32 logits."""
         c, cfg = self.config, self.model_config
-        per_token = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        elt = torch.empty(0, dtype=self.dtype).element_size()
+        act = c.max_num_batched_tokens * (4 * cfg.intermediate_size + 6 * cfg.hidden_size) * elt
+        return act + 2 * c.max_num_seqs * cfg.vocab_size * 4
+
+    def _num_kv_blocks(self) -> int:
+        c = self.config
         if c.kv_cache_tokens is not None:
             tokens = c.kv_cache_tokens
+        elif c.gpu_memory_limit is not None:
+            tokens = OFFLOAD_KV_TOKENS      # what the memory limit was planned around
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            # Leave room for the largest step's activations (the gate/up output dominates, kept
-            # twice over for SwiGLU) and for its fp32 logits.
-            elt = torch.empty(0, dtype=self.dtype).element_size()
-            act = c.max_num_batched_tokens * (4 * cfg.intermediate_size + 6 * cfg.hidden_size) * elt
-            logits = 2 * c.max_num_seqs * cfg.vocab_size * 4
-            tokens = int((free * c.kv_cache_memory_fraction - act - logits) // per_token)
+            tokens = int((free * c.kv_cache_memory_fraction - self._activation_reserve())
+                         // self._kv_bytes_per_token())
         else:
             tokens = CPU_KV_TOKENS
         blocks = tokens // c.block_size
@@ -154,6 +166,31 @@ class Engine:
             raise ValueError("KV cache: no room for even one block; lower the model size or "
                              "raise kv_cache_memory_fraction / kv_cache_tokens")
         return blocks
+
+    def _non_layer_bytes(self) -> int:
+        """The weights outside the decoder layers: embeddings, final norm, LM head."""
+        m = self.model
+        return sum(t.nbytes for t in (m.embed_tokens.weight, m.norm.weight,
+                                      *(() if m.lm_head is None else (m.lm_head.weight,))))
+
+    def _stream_layers(self):
+        """Plan which decoder layers fit in gpu_memory_limit beside the KV cache, and stream the rest
+        from pinned host memory (engine/streams/offload.py). On the CPU the streamer runs on no-op
+        streams, which exercises the same plumbing."""
+        from engine.streams import FakeStreams, LayerStreamer, StepStreams, layer_stream_bytes, plan_offload
+        c, model = self.config, self.model
+        sizes = [layer_stream_bytes(layer) for layer in model.layers]
+        kv = (c.kv_cache_tokens or OFFLOAD_KV_TOKENS) * self._kv_bytes_per_token() + self._activation_reserve()
+        plan = plan_offload(sizes, self._non_layer_bytes(), int(c.gpu_memory_limit * 2**30), kv)
+        log.info("gpu_memory_limit %.2f GiB: %d of %d decoder layers streamed from pinned host memory",
+                 c.gpu_memory_limit, len(plan.offloaded_layers), len(sizes))
+        if not plan.offloads:
+            return None
+        streams = StepStreams(self.device) if self.device.type == "cuda" else FakeStreams()
+        streamer = LayerStreamer(model.layers, plan, streams, device=self.device)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()    # the streamed layers' device copies are gone
+        return streamer
 
     def _capture_graphs(self) -> None:
         from engine.cuda_graphs import DecodeGraphs

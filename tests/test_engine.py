@@ -141,3 +141,33 @@ def test_fused_kernels_on_and_off_give_the_same_tokens_gpu():
     finally:
         set_fused_kernels(True)
         gpu.shutdown(timeout=1)
+
+
+def test_layers_streamed_under_a_memory_limit_give_the_same_tokens():
+    """gpu_memory_limit below what the model needs: some decoder layers live in (pinned) host memory
+    and stream through two buffers; the output does not change. On the CPU the streamer runs on
+    no-op streams: this checks the planning and the hooks; the overlap itself is a GPU matter."""
+    from engine.streams import layer_stream_bytes
+    kw = dict(device="cpu", dtype="fp32", kv_cache_tokens=2048, max_num_batched_tokens=256, max_num_seqs=16)
+    prompts = [list(range(20, 20 + n)) for n in (5, 40, 90)]
+    p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    resident = LLM("llama-tiny", **kw)
+    try:
+        want = [o.token_ids for o in resident.generate(prompts, p)]
+        e = resident.engine
+        layer = layer_stream_bytes(e.model.layers[0])           # all four layers are the same size
+        base = e._non_layer_bytes() + 2048 * e._kv_bytes_per_token() + e._activation_reserve()
+        # Streaming 3 of 4 layers needs base + 1 resident layer + 2 buffers = base + 3 layers: give
+        # it 3.5 layers, less than the 4 that all-resident needs.
+        limit_gib = (base + 3.5 * layer) / 2**30
+    finally:
+        resident.shutdown(timeout=1)
+    streamed = LLM("llama-tiny", gpu_memory_limit=limit_gib, **kw)
+    try:
+        assert streamed.engine.streamer is not None
+        assert len(streamed.engine.streamer.order) == 3
+        assert [o.token_ids for o in streamed.generate(prompts, p)] == want
+    finally:
+        streamed.shutdown(timeout=1)
+    with pytest.raises(ValueError, match="too small even with every layer streamed"):
+        LLM("llama-tiny", gpu_memory_limit=0.001, **kw)
