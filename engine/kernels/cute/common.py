@@ -52,6 +52,18 @@ def gmem_ptr(dtype, address: int = 0, align: int = 16):
     return make_ptr(dtype, address, AddressSpace.gmem, assumed_align=align)
 
 
+def scaled_gemm_tensors(a_ptr, b_ptr, xs_ptr, ws_ptr, out_ptr, res_ptr, m, n: int, k: int):
+    """The global tensors of y = (A @ B^T) * xs[:, None] * ws[None, :] (+ residual), as both FP8
+    kernels take them: A [M, K] and B [N, K] K-major, the per-row and per-column scales, and the
+    output and residual [M, N] row-major. M is a run-time value; call it inside a @cute.jit."""
+    import cutlass.cute as cute
+
+    def matrix(ptr, rows, cols):
+        return cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(cols, 1)))
+    return (matrix(a_ptr, m, k), matrix(b_ptr, n, k), cute.make_tensor(xs_ptr, cute.make_layout(m)),
+            cute.make_tensor(ws_ptr, cute.make_layout(n)), matrix(out_ptr, m, n), matrix(res_ptr, m, n))
+
+
 def tensor_ptr(t: torch.Tensor, align: int = 16):
     if t.data_ptr() % align:
         raise ValueError(f"tensor data pointer must be {align}-byte aligned")

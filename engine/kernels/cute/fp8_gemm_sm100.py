@@ -27,7 +27,7 @@ import cutlass.utils.blackwell_helpers as sm100
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
-from engine.kernels.cute.common import gmem_ptr, placeholder_stream
+from engine.kernels.cute.common import gmem_ptr, placeholder_stream, scaled_gemm_tensors
 
 SMEM_BYTES = 227 * 1024
 
@@ -63,12 +63,7 @@ class Fp8GemmSm100:
                  ws_ptr: cute.Pointer, out_ptr: cute.Pointer, res_ptr: cute.Pointer,
                  m: cutlass.Int32, stream: cuda.CUstream):
         n, k = self.n, self.k
-        mA = cute.make_tensor(a_ptr, cute.make_layout((m, k), stride=(k, 1)))
-        mB = cute.make_tensor(b_ptr, cute.make_layout((n, k), stride=(k, 1)))
-        mXs = cute.make_tensor(xs_ptr, cute.make_layout(m))
-        mWs = cute.make_tensor(ws_ptr, cute.make_layout(n))
-        mC = cute.make_tensor(out_ptr, cute.make_layout((m, n), stride=(n, 1)))
-        mR = cute.make_tensor(res_ptr, cute.make_layout((m, n), stride=(n, 1)))
+        mA, mB, mXs, mWs, mC, mR = scaled_gemm_tensors(a_ptr, b_ptr, xs_ptr, ws_ptr, out_ptr, res_ptr, m, n, k)
 
         k_major = LayoutEnum.ROW_MAJOR.mma_major_mode()
         cta_group = tcgen05.CtaGroup.TWO if self.cta_group == 2 else tcgen05.CtaGroup.ONE

@@ -40,7 +40,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from engine.kernels.cute.common import (CompileCache, current_stream, gmem_ptr, placeholder_stream,
-                                        sm_count, tensor_ptr)
+                                        scaled_gemm_tensors, sm_count, tensor_ptr)
 
 # Tiles the dispatcher chooses from, largest first: (tile_m, tile_n). tile_k is 128 (four k32 WGMMAs).
 TILES = ((128, 256), (128, 128), (64, 128), (64, 64))
@@ -110,12 +110,7 @@ class Fp8GemmSm90:
                  ws_ptr: cute.Pointer, out_ptr: cute.Pointer, res_ptr: cute.Pointer,
                  m: cutlass.Int32, stream: cuda.CUstream):
         n, k = self.n, self.k
-        mA = cute.make_tensor(a_ptr, cute.make_layout((m, k), stride=(k, 1)))
-        mB = cute.make_tensor(b_ptr, cute.make_layout((n, k), stride=(k, 1)))
-        mXs = cute.make_tensor(xs_ptr, cute.make_layout(m))
-        mWs = cute.make_tensor(ws_ptr, cute.make_layout(n))
-        mC = cute.make_tensor(out_ptr, cute.make_layout((m, n), stride=(n, 1)))
-        mR = cute.make_tensor(res_ptr, cute.make_layout((m, n), stride=(n, 1)))
+        mA, mB, mXs, mWs, mC, mR = scaled_gemm_tensors(a_ptr, b_ptr, xs_ptr, ws_ptr, out_ptr, res_ptr, m, n, k)
 
         row = LayoutEnum.ROW_MAJOR  # A [M,K], B [N,K] are K-major; C [M,N] is N-major
         tiled_mma = sm90.make_trivial_tiled_mma(
