@@ -87,7 +87,7 @@ def decode_batch(num_seqs, ctx, kv, dev, ids=None):
     ctx_t = torch.full((num_seqs,), ctx, dtype=torch.int32)
     return Batch(input_ids=ids.to(dev), positions=torch.full((num_seqs,), ctx - 1, device=dev),
                  slot_mapping=slots.to(dev), kv_cache=kv, num_prefills=0, num_prefill_tokens=0,
-                 prefill_offsets=torch.zeros(1, dtype=torch.int64, device=dev), prefill_tokens=None,
+                 prefill_offsets=torch.zeros(1, dtype=torch.int64, device=dev),
                  prefill_context_lens=ctx_t[:0].to(dev), prefill_block_tables=tables[:0].to(dev),
                  prefill_has_prefix=False, num_decodes=num_seqs, decode_context_lens=ctx_t.to(dev),
                  decode_block_tables=tables.to(dev), logits_indices=torch.arange(num_seqs, device=dev),
@@ -222,7 +222,7 @@ def bench_upload(dev, out_dir, results):
     def forward(d, num_seqs):
         b = Batch(input_ids=d["input_ids"], positions=d["positions"], slot_mapping=d["slot_mapping"],
                   kv_cache=kv, num_prefills=0, num_prefill_tokens=0, prefill_offsets=d["logits_indices"][:1],
-                  prefill_tokens=None, prefill_context_lens=d["context_lens"][:0],
+                  prefill_context_lens=d["context_lens"][:0],
                   prefill_block_tables=d["block_tables"][:0], prefill_has_prefix=False,
                   num_decodes=num_seqs, decode_context_lens=d["context_lens"],
                   decode_block_tables=d["block_tables"], logits_indices=d["logits_indices"], sampled=[])

@@ -1,9 +1,9 @@
 """One step's inputs: the scheduled sequences packed into flat token rows, with no padding.
 
-Prefill chunks come first, as a jagged nested tensor (layout=torch.jagged) of variable-length token
-runs whose offsets are the cu_seqlens that attention and the KV write use; decodes (one token per
-sequence) follow, with their block tables and context lengths. Every tensor is built on the host in
-one go and copied to the device once.
+Prefill chunks come first, back to back, described by their offsets (cu_seqlens): attention views
+its q/k/v rows over those offsets as jagged nested tensors (layout=torch.jagged), so variable-length
+prompts need no padding. Decodes (one token per sequence) follow, with their block tables and
+context lengths. Every tensor is built on the host in one go and copied to the device once.
 """
 from __future__ import annotations
 
@@ -22,8 +22,7 @@ class Batch:
     kv_cache: object | None              # engine.memory.kv_cache.KVCache, or None (no cache kept)
     num_prefills: int
     num_prefill_tokens: int
-    prefill_offsets: torch.Tensor        # [P + 1] int64 cu_seqlens of the prefill chunks
-    prefill_tokens: torch.Tensor | None  # [P, j] nested (jagged) view of input_ids[:num_prefill_tokens]
+    prefill_offsets: torch.Tensor        # [P + 1] int64 cu_seqlens of the prefill chunks (jagged offsets)
     prefill_context_lens: torch.Tensor   # [P] int32: cached prefix + this chunk
     prefill_block_tables: torch.Tensor | None  # [P, max_blocks] int32
     prefill_has_prefix: bool             # any chunk attends to keys computed in an earlier step
@@ -70,13 +69,10 @@ def build_batch(scheduled: list[ScheduledSeq], kv_cache, device) -> Batch:
     input_ids = dev(ids, torch.int64)
     table_t = dev(tables, torch.int32)
     ctx_t = dev(ctx, torch.int32)
-    p_tokens = offsets[np_]
-    pre_off = dev(offsets[:np_ + 1], torch.int64)
     return Batch(
         input_ids=input_ids, positions=dev(pos, torch.int64), slot_mapping=dev(slots, torch.int64),
-        kv_cache=kv_cache, num_prefills=np_, num_prefill_tokens=p_tokens, prefill_offsets=pre_off,
-        prefill_tokens=(torch.nested.nested_tensor_from_jagged(input_ids[:p_tokens], pre_off)
-                        if np_ else None),
+        kv_cache=kv_cache, num_prefills=np_, num_prefill_tokens=offsets[np_],
+        prefill_offsets=dev(offsets[:np_ + 1], torch.int64),
         prefill_context_lens=ctx_t[:np_], prefill_block_tables=table_t[:np_],
         prefill_has_prefix=any(s.start > 0 for s in prefills),
         num_decodes=len(decodes), decode_context_lens=ctx_t[np_:], decode_block_tables=table_t[np_:],
@@ -96,7 +92,7 @@ def build_prefill_only(token_lists: list[list[int]], device) -> Batch:
     return Batch(
         input_ids=input_ids, positions=torch.tensor(pos, dtype=torch.int64, device=device),
         slot_mapping=None, kv_cache=None, num_prefills=len(token_lists), num_prefill_tokens=len(ids),
-        prefill_offsets=off, prefill_tokens=torch.nested.nested_tensor_from_jagged(input_ids, off),
+        prefill_offsets=off,
         prefill_context_lens=ctx, prefill_block_tables=None, prefill_has_prefix=False,
         num_decodes=0, decode_context_lens=None, decode_block_tables=None,
         logits_indices=torch.arange(len(ids), device=device), sampled=[])
