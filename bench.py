@@ -3,17 +3,25 @@
     python bench.py --model llama-3.1-8b            # the GPU run behind BENCHMARKS.md
     python bench.py --quick                         # tiny shapes on the CPU: proves the harness runs
 
-One process, one run: the dense bf16 baseline, each technique alone and combined, and HF transformers
-generate; for each, prefill tokens/sec, decode tokens/sec at several batch sizes, throughput on a set
-of requests of random lengths, peak memory and decode as a % of the HBM roofline measured in the same
-run. A quality column (perplexity of the embedded SmolLM2 on a fixed text) sits next to the speed, and
-every configuration's greedy output is checked against the dense baseline before it is timed.
+One process, one run: the dense bf16 baseline, each technique alone and combined, pipelined steps
+switched off, and HF transformers generate; for each, prefill tokens/sec, decode tokens/sec at several
+batch sizes, throughput on a set of requests of random lengths (the same requests for the engine and
+for HF), peak memory and decode as a % of the HBM roofline measured in the same run. A quality column
+(perplexity of the embedded SmolLM2 on a fixed text) sits next to the speed, and every configuration's
+logits are checked against the dense baseline before it is timed.
+
+HF generate batches statically: its throughput row runs the same requests in fixed batches (sorted by
+output length, left-padded, each batch generating its longest request's output length, EOS unable to
+stop it early) and counts only each request's own output tokens as useful; --hf-time-limit cuts it
+after the batch that crosses the limit, and the row then says so.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
+import math
 import os
 import random
 import sys
@@ -24,6 +32,7 @@ from tqdm import tqdm
 
 from engine.config import EngineConfig, resolve_dtype
 from engine.engine import Engine
+from engine.memory import allocator
 from engine.sampling import SamplingParams
 
 # name -> EngineConfig overrides; "lossless" configs must reproduce the dense greedy tokens.
@@ -34,7 +43,10 @@ CONFIGS = {
     "nvfp4":        ({"weights": "nvfp4"}, False),
     "2:4":          ({"sparse_ffn": "magnitude"}, False),
     "2:4+fp8":      ({"sparse_ffn": "magnitude", "weights": "fp8"}, False),
+    "overlap-off":  ({"overlap": False}, True),
 }
+GEMM_SWITCHES = ("weights", "sparse_ffn")     # configs that change the GEMMs get roofline points
+THROUGHPUT_SEED = 1                           # the throughput requests' own RNG: same for engine and HF
 QUALITY = {"dense": {}, "fp8": {"weights": "fp8"}, "nvfp4": {"weights": "nvfp4"},
            "2:4 magnitude": {"sparse_ffn": "magnitude"}, "2:4 wanda": {"sparse_ffn": "wanda"},
            "2:4+fp8": {"sparse_ffn": "magnitude", "weights": "fp8"}}
@@ -80,9 +92,12 @@ def measure_matmul_peak(device, dtype=torch.bfloat16) -> float:
     if dtype == torch.float8_e4m3fn:
         one = torch.ones((), device=device)
         bt = b.t()   # _scaled_mm wants its second operand column-major
-        mm = lambda: torch._scaled_mm(a, bt, one, one, out_dtype=torch.bfloat16)  # noqa: E731
+
+        def mm():
+            return torch._scaled_mm(a, bt, one, one, out_dtype=torch.bfloat16)
     else:
-        mm = lambda: a @ b  # noqa: E731
+        def mm():
+            return a @ b
     for _ in range(3):
         mm()
     sync(device)
@@ -143,12 +158,20 @@ def bench_decode(engine, rng, vocab, batch, prompt_len, steps):
     return batch * steps / elapsed, elapsed / steps, host
 
 
-def bench_throughput(engine, rng, vocab, num, lo, hi):
+def throughput_requests(args, vocab) -> list[tuple[list[int], int]]:
+    """The throughput test's requests: (prompt ids, output length), both lengths uniform in
+    min_len..max_len, from their own RNG so the engine's configs and HF get the very same ones."""
+    rng = random.Random(THROUGHPUT_SEED)
     reqs = []
-    for i in range(num):
-        n_in, n_out = rng.randint(lo, hi), rng.randint(lo, hi)
-        reqs.append((f"t{i}", random_prompt(rng, n_in, vocab),
-                     SamplingParams(max_tokens=n_out, temperature=0, ignore_eos=True, detokenize=False)))
+    for _ in range(args.requests):
+        n_in, n_out = rng.randint(args.min_len, args.max_len), rng.randint(args.min_len, args.max_len)
+        reqs.append((random_prompt(rng, n_in, vocab), n_out))
+    return reqs
+
+
+def bench_throughput(engine, requests):
+    reqs = [(f"t{i}", ids, SamplingParams(max_tokens=n_out, temperature=0, ignore_eos=True, detokenize=False))
+            for i, (ids, n_out) in enumerate(requests)]
     sync(engine.device)
     t = time.perf_counter()
     outs = run_to_completion(engine, reqs)
@@ -221,7 +244,7 @@ def gemm_points(engine, name, ms) -> list[dict]:
         for m in ms:
             x = torch.randn(m, lin.in_features, device=engine.device, dtype=engine.dtype)
             with torch.inference_mode():
-                secs = time_fn(lambda: lin(x), engine.device)
+                secs = time_fn(lambda lin=lin, x=x: lin(x), engine.device)
             flops = 2 * m * lin.in_features * lin.out_features
             nbytes = lin.backend.weight_bytes() + m * (lin.in_features + lin.out_features) * act_bytes
             points.append({"config": name, "gemm": gname, "M": m, "seconds": secs,
@@ -232,7 +255,8 @@ def gemm_points(engine, name, ms) -> list[dict]:
 def bench_config(name, overrides, args, device, shared):
     rng = random.Random(0)
     cfg = EngineConfig(model=args.model, device=str(device), dtype=args.dtype, seed=0,
-                       max_num_batched_tokens=args.step_tokens, kv_cache_tokens=args.kv_tokens, **overrides)
+                       max_num_batched_tokens=args.step_tokens, kv_cache_tokens=args.kv_tokens,
+                       **{**args.engine_overrides, **overrides})
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     engine = Engine(cfg)
@@ -264,8 +288,8 @@ def bench_config(name, overrides, args, device, shared):
         ctx = args.decode_prompt + args.decode_steps // 2
         ideal = (wbytes + b * ctx * kv_per_token) / shared["copy_bw"]
         row[f"decode_b{b}_roofline_pct"] = 100 * ideal / step_s
-    row["throughput_tok_s"] = bench_throughput(engine, rng, vocab, args.requests, args.min_len, args.max_len)
-    if "fused_kernels" not in overrides:    # the other switches leave the GEMMs as they are
+    row["throughput_tok_s"] = bench_throughput(engine, throughput_requests(args, vocab))
+    if name == "dense" or any(k in overrides for k in GEMM_SWITCHES):   # the others leave the GEMMs alone
         shared.setdefault("points", []).extend(gemm_points(engine, name, args.gemm_ms))
     if device.type == "cuda":
         row["peak_mem_GB"] = torch.cuda.max_memory_allocated(device) / 1e9
@@ -278,7 +302,9 @@ def bench_config(name, overrides, args, device, shared):
 
 def bench_hf(args, device, rng_seed=0):
     """HF transformers generate on the same shapes (random weights), bf16, as the outside baseline."""
-    from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
+    from transformers import LlamaConfig as HFConfig
+    from transformers import LlamaForCausalLM
+
     from models.presets import SHAPE_PRESETS
     c = SHAPE_PRESETS[args.model]
     hf_cfg = HFConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
@@ -291,9 +317,10 @@ def bench_hf(args, device, rng_seed=0):
         model = LlamaForCausalLM(hf_cfg).to(dtype).eval()
     rng = random.Random(rng_seed)
     row = {"config": "HF transformers"}
+    vocab = min(c.vocab_size, 49152)
     for b in args.decode_batches:
         ids = torch.tensor([random_prompt(rng, args.decode_prompt, 49152) for _ in range(b)], device=device)
-        kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+        kw = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0}
         model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)
         sync(device)
         t = time.perf_counter()
@@ -309,11 +336,53 @@ def bench_hf(args, device, rng_seed=0):
             model(ids[i:i + 1], logits_to_keep=1)
         sync(device)
     row["prefill_tok_s"] = args.prefill_seqs * args.prefill_len / (time.perf_counter() - t)
+    row.update(hf_throughput(model, throughput_requests(args, vocab), args, device))
     del model
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def hf_throughput(model, requests, args, device) -> dict:
+    """HF generate on the throughput test's requests. generate() batches statically, so: batches of
+    --hf-batch requests grouped by output length (shortest first; knowing the lengths ahead is an
+    advantage no real client gives it), prompts left-padded to the batch's longest, and every row
+    generating the batch's longest output (min_new_tokens, no EOS: nothing ends early). Useful
+    tokens = each request's own output length; the padding rows' extra tokens are not counted."""
+    order = sorted(range(len(requests)), key=lambda i: (requests[i][1], len(requests[i][0])))
+    batches = [order[i:i + args.hf_batch] for i in range(0, len(order), args.hf_batch)]
+    useful = generated = done = 0
+    sync(device)
+    t = time.perf_counter()
+    for idx in batches:
+        if time.perf_counter() - t > args.hf_time_limit:
+            break
+        prompts = [requests[i][0] for i in idx]
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(idx), width, dtype=torch.long)
+        mask = torch.zeros(len(idx), width, dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = 1
+        n = max(requests[i][1] for i in idx)
+        model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, eos_token_id=None, pad_token_id=0)
+        sync(device)
+        useful += sum(requests[i][1] for i in idx)
+        generated += len(idx) * n
+        done += len(idx)
+    elapsed = time.perf_counter() - t
+    how = (f"static batches of {args.hf_batch} sorted by output length, left-padded; "
+           f"{useful} useful of {generated} generated tokens counted")
+    out = {"throughput_tok_s": useful / elapsed, "throughput_requests": done,
+           "throughput_useful_tokens": useful, "throughput_generated_tokens": generated,
+           "throughput_s": elapsed, "throughput_method": how}
+    if done < len(requests):
+        out["throughput_note"] = (f"cut by --hf-time-limit {args.hf_time_limit:.0f}s: {done} of "
+                                  f"{len(requests)} requests (the shortest outputs) in {elapsed:.0f}s; "
+                                  f"{how}")
+    return out
 
 
 def quality(args, device):
@@ -368,10 +437,12 @@ def markdown_table(results) -> str:
     q = "\n| quality (embedded SmolLM2) | perplexity | top-1 agreement with dense |\n|---|---|---|\n" + "".join(
         f"| {k} | {v['perplexity']:.3f} | {v['top1_agreement']:.3f} |\n" if isinstance(v, dict)
         else f"| {k} | {v} | |\n" for k, v in results.get("quality", {}).items())
+    notes = "".join(f"\n{r['config']} throughput: {r.get('throughput_note') or r['throughput_method']}\n"
+                    for r in rows if r.get("throughput_method"))
     ceil = results["ceilings"]
     hdr = (f"device: {results['device']}; copy bandwidth {ceil['copy_GBps']:.0f} GB/s; "
-           f"bf16 GEMM {ceil['bf16_TFLOPs']:.0f} TFLOP/s\n\n")
-    return hdr + head + body + q
+           f"bf16 GEMM {ceil['bf16_TFLOPs']:.0f} TFLOP/s; allocator {results.get('allocator', 'native')}\n\n")
+    return hdr + head + body + notes + q
 
 
 def plot_bars(results, path):
@@ -418,7 +489,7 @@ def plot_roofline(results, path):
     bw = results["ceilings"]["copy_GBps"] * 1e9
     for key, style in (("bf16_TFLOPs", "k-"), ("fp8_TFLOPs", "k--")):
         peak = results["ceilings"].get(key, float("nan")) * 1e12
-        if bw == bw and peak == peak:   # not nan: measured on a GPU in this run
+        if not (math.isnan(bw) or math.isnan(peak)):   # measured on a GPU in this run
             knee = peak / bw
             ax.plot([0.3, knee, 3e4], [0.3 * bw / 1e12, peak / 1e12, peak / 1e12], style, lw=1,
                     label=f"measured roof: {bw / 1e12:.2f} TB/s, {peak / 1e12:.0f} TFLOP/s "
@@ -434,6 +505,25 @@ def plot_roofline(results, path):
     plt.close(fig)
 
 
+def engine_overrides(args, ap) -> dict:
+    """EngineConfig fields the command line sets for every configuration."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    out = {}
+    if args.offload:
+        if "offload" not in fields:
+            ap.error("--offload: this engine's EngineConfig has no offload field yet")
+        out["offload"] = True
+    if args.gpu_memory_limit is not None:
+        out["gpu_memory_limit"] = args.gpu_memory_limit
+    try:
+        graphs = allocator.resolve_cuda_graphs(args.allocator, False if args.no_cuda_graphs else None)
+    except ValueError as e:
+        ap.error(str(e))
+    if graphs is not None:
+        out["cuda_graphs"] = graphs
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama-3.1-8b", help="a preset name (default llama-3.1-8b)")
@@ -441,6 +531,11 @@ def main(argv=None):
     ap.add_argument("--dtype", default=None, help="model dtype (default bf16 on cuda, fp32 on cpu)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes and counts for the CPU (CI)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    ap.add_argument("--hf-batch", type=int, default=64,
+                    help="HF throughput: requests per static generate() batch (default %(default)s)")
+    ap.add_argument("--hf-time-limit", type=float, default=300.0,
+                    help="HF throughput: start no new batch after this many seconds; a cut row says "
+                         "so (default %(default)s)")
     ap.add_argument("--no-quality", action="store_true", help="skip the perplexity column")
     ap.add_argument("--quality-only", action="store_true",
                     help="only the perplexity column (the embedded model's file is not on every GPU box)")
@@ -459,9 +554,18 @@ def main(argv=None):
     ap.add_argument("--ppl-windows", type=int, default=8)
     ap.add_argument("--gemm-ms", default="1,16,128,1024,8192", help="M values of the roofline points")
     ap.add_argument("--out", default="bench_results", help="folder for results.json/.md and the plots")
+    ap.add_argument("--offload", action="store_true",
+                    help="every config: stream the decoder layers that do not fit the GPU from pinned "
+                         "host memory (EngineConfig.offload; limit: --gpu-memory-limit, else free memory)")
+    ap.add_argument("--gpu-memory-limit", type=float, default=None, metavar="GIB",
+                    help="every config: GiB of device memory for weights, KV cache and activations")
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="every config: decode steps run eagerly")
+    allocator.add_arguments(ap)
     ap.add_argument("--replot", metavar="RESULTS_JSON",
                     help="only redraw the table and pictures of an earlier run's results.json")
     args = ap.parse_args(argv)
+    allocator.configure_from_args(args, ap)     # before CUDA starts; may restart the process once
+    args.engine_overrides = engine_overrides(args, ap)
     if args.replot:
         with open(args.replot) as f:
             results = json.load(f)
@@ -488,6 +592,7 @@ def main(argv=None):
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     shared = {"copy_bw": measure_copy_bandwidth(device)}   # nan on the CPU: no roofline there
     results = {"device": dev_name, "args": vars(args), "date": time.strftime("%Y-%m-%d"),
+               "allocator": f"{args.allocator} ({args.memory_release})" if device.type == "cuda" else "n/a",
                "ceilings": {"copy_GBps": shared["copy_bw"] / 1e9,
                             "bf16_TFLOPs": measure_matmul_peak(device) / 1e12,
                             "fp8_TFLOPs": measure_matmul_peak(device, torch.float8_e4m3fn) / 1e12},
@@ -516,8 +621,9 @@ def main(argv=None):
     md = write_outputs(results, args)
     print(md)
     for r in results["configs"]:
-        if "error" in r or "note" in r:
-            print(f"{r['config']}: {r.get('error') or r.get('note')}")
+        for key in ("error", "note", "throughput_note"):
+            if key in r:
+                print(f"{r['config']}: {r[key]}")
     print(f"wrote {args.out}/results.json, results.md, tokens_per_sec.png, roofline.png")
 
 

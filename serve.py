@@ -31,16 +31,30 @@ from concurrent.futures import ThreadPoolExecutor
 
 import uvicorn
 import uvloop
-from jinja2 import TemplateError
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import ContextLengthError
-from engine.openai_protocol import (SSE_DONE, APIError, ChatCompletionRequest, Choice, CompletionRequest,
-                                    EmbeddingRequest, TokenText, chat_logprobs, completion_logprobs,
-                                    error_body, parse_request, sse, usage, validation_error)
+from engine.memory import allocator
+from engine.openai_protocol import (
+    SSE_DONE,
+    APIError,
+    ChatCompletionRequest,
+    Choice,
+    CompletionRequest,
+    EmbeddingRequest,
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    error_body,
+    parse_request,
+    sse,
+    usage,
+    validation_error,
+)
 
 log = logging.getLogger("microengine.serve")
 
@@ -635,6 +649,11 @@ ENGINE_HELP = {
     "cuda_graphs": "capture decode steps in CUDA graphs (cuda only)",
     "gpu_memory_limit": "GiB of device memory for weights, KV cache and activations; decoder layers "
                         "that do not fit are streamed from pinned host memory (default: no limit)",
+    "overlap": "pipelined steps (cuda only): the host schedules and uploads step N+1 while step N "
+               "runs; off: every step is serialised",
+    "offload": "run models larger than the GPU: the decoder layers that do not fit are kept in "
+               "pinned host memory and streamed to the device layer by layer, overlapped with the "
+               "compute (the limit: --gpu-memory-limit, else the device's free memory)",
     "seed": "seed for random preset weights and for requests without a seed",
 }
 
@@ -651,7 +670,7 @@ def engine_arguments(parser: argparse.ArgumentParser):
         text = ENGINE_HELP.get(f.name, f.name.replace("_", " "))
         if default is not None:
             text += f" (default: {default})"
-        kw = dict(dest=f.name, default=argparse.SUPPRESS, help=text)
+        kw = {"dest": f.name, "default": argparse.SUPPRESS, "help": text}
         annotation = str(f.type)
         if f.name == "weights":
             group.add_argument(flag, choices=WEIGHT_FORMATS, **kw)
@@ -687,7 +706,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="(default: %(default)s)")
     engine_arguments(parser)
-    return parser.parse_args(argv)
+    allocator.add_arguments(parser)
+    args = parser.parse_args(argv)
+    allocator.configure_from_args(args, parser)     # before CUDA starts; may restart the process
+    try:
+        graphs = allocator.resolve_cuda_graphs(args.allocator, getattr(args, "cuda_graphs", None))
+    except ValueError as e:
+        parser.error(str(e))
+    if graphs is not None:
+        args.cuda_graphs = graphs
+    return args
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -700,8 +728,9 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(args.log_level.upper())
     from engine import LLM, SamplingParams
     from engine.config import EngineConfig
     engine_kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
@@ -711,6 +740,7 @@ def main(argv=None) -> int:
         print(f"microengine: cannot bind {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
     llm = LLM(**engine_kw)
+    allocator.apply_release(llm.engine.device)
     names = tuple(dict.fromkeys(n for n in (args.served_model_name, llm.model_name, engine_kw.get("model", "llama"))
                                 if n))
     state = ServerState(llm=llm, model_names=names, api_key=args.api_key,

@@ -1,33 +1,37 @@
-"""Multi-stream scheduling and stream-ordered memory, measured on one GPU.
+"""Multi-stream scheduling and stream-ordered memory, measured on one GPU through the engine itself.
 
-    python benchmarks/bench_streams.py --out DIR
+    python benchmarks/bench_streams.py --out DIR          # all four parts, one process (+ children)
 
-1. Layer-weight streaming, Llama-3.1-8B decoder stack (32 layers, bf16, random weights), half the
-   layers offloaded to pinned host memory: time per forward with the prefetch overlapped (copy of the
-   next streamed layer on the H2D stream while the current layers compute) vs serialised (the same
-   copies queued on the compute stream), at 16 decode tokens and at one 8192-token prefill; the
-   H2D bytes per forward over that time, as a fraction of the pinned H2D ceiling measured here.
-2. Step-input upload, Llama-3.2-1B decoder stack + LM head + argmax, decode at batch 1 and 64 over a
-   paged KV cache: time per step with the inputs uploaded from pageable memory (blocking), the way
-   engine/batch.py does now (pinned temporaries, copies on the compute stream), from the pinned
-   ring on the H2D stream, and the ring with the sampled tokens read back one step late
-   (TokenReadback; the next decode's token ids come from the device). All four must produce the
-   same tokens.
-3. Allocators: the native caching allocator vs cudaMallocAsync (release threshold dedicated /
-   shared), each in its own process: per-step host time of an MLP whose batch grows, then varies,
-   every step (every activation is a fresh allocation of a new size), with a host sync per step as
-   the engine's token read does.
-4. torch.profiler traces of (1) and (2), turned into timeline PNGs (one row per stream).
+(a) Pipelined steps: llama-3.2-1b shapes, decode at batch 1 and 64 with CUDA graphs on, the engine
+    built with EngineConfig(overlap=True) and again with overlap=False: time per step (wall clock
+    over the timed steps) and the host's time per step (engine.stats["host_s"]: everything but the
+    waits for the device).
+(b) Layer offload: llama-3.1-8b shapes with gpu_memory_limit set to hold about half the decoder
+    layers; decode tokens/sec at batch 1 against the ceiling set by the pinned H2D bandwidth measured
+    in this run (ceiling = bandwidth / bytes streamed per token), with the prefetch (copies of the
+    next streamed layer overlap the compute) and without it (LayerStreamer.prefetch = False: each
+    layer is copied when the compute reaches it, and waits for it).
+(c) A torch.profiler trace of a few of those offloaded decode steps, drawn as a timeline PNG (one
+    row per stream: H2D copies, compute kernels, token readback), with the time both the copy and
+    the compute stream were busy.
+(d) Allocators, each in its own process (PYTORCH_ALLOC_CONF is read when torch loads): the native
+    caching allocator vs cudaMallocAsync with release threshold dedicated / shared. Per-step time of
+    an MLP whose batch size changes every step (every activation a fresh allocation of a new size,
+    a host sync per step), and the engine (llama-3.2-1b shapes) on requests of random lengths, so
+    the decode batch shrinks as requests finish, with CUDA graphs off and then on (whether capture
+    works under each backend).
 
 Ceilings measured in the same run: pinned H2D and D2H copy bandwidth (1 GiB), HBM copy (2 GiB).
+It prints Markdown tables last and writes bench_streams.json and offload_timeline.png to --out.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
-import gzip
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -35,12 +39,18 @@ import time
 
 import torch
 
-ROOT = __file__.rsplit("/benchmarks/", 1)[0]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
 def log(*a):
     print(*a, flush=True)
+
+
+def free_memory():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def event_ms(fn, iters, stream=None, warmup=2):
@@ -60,9 +70,24 @@ def event_ms(fn, iters, stream=None, warmup=2):
     return statistics.median(times)
 
 
+def engine_config(**kw):
+    """An EngineConfig from these fields (tolerating an engine without `offload`)."""
+    from engine.config import EngineConfig
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    if "offload" not in fields:
+        kw.pop("offload", None)
+    return EngineConfig(**kw)
+
+
 # ----------------------------------------------------------------------------- ceilings
 
 def ceilings(dev):
+    out = _ceilings(dev)
+    free_memory()
+    return out
+
+
+def _ceilings(dev):
     n = 1 << 30
     host = torch.empty(n, dtype=torch.uint8, pin_memory=True).random_(0, 255)
     d = torch.empty(n, dtype=torch.uint8, device=dev)
@@ -75,233 +100,250 @@ def ceilings(dev):
             "hbm_copy_GBps": 2 * 2 * n / hbm / 1e6}
 
 
-# ----------------------------------------------------------------------------- batches
+# ----------------------------------------------------------------------------- (a) pipelined steps
 
-def decode_batch(num_seqs, ctx, kv, dev, ids=None):
-    from engine.batch import Batch
-    bs = kv.block_size
-    per_seq = (ctx + bs - 1) // bs
-    tables = torch.arange(num_seqs * per_seq, dtype=torch.int32).view(num_seqs, per_seq)
-    slots = tables[:, (ctx - 1) // bs].long() * bs + (ctx - 1) % bs
-    ids = torch.randint(0, 1000, (num_seqs,)) if ids is None else ids
-    ctx_t = torch.full((num_seqs,), ctx, dtype=torch.int32)
-    return Batch(input_ids=ids.to(dev), positions=torch.full((num_seqs,), ctx - 1, device=dev),
-                 slot_mapping=slots.to(dev), kv_cache=kv, num_prefills=0, num_prefill_tokens=0,
-                 prefill_offsets=torch.zeros(1, dtype=torch.int64, device=dev),
-                 prefill_context_lens=ctx_t[:0].to(dev), prefill_block_tables=tables[:0].to(dev),
-                 prefill_has_prefix=False, num_decodes=num_seqs, decode_context_lens=ctx_t.to(dev),
-                 decode_block_tables=tables.to(dev), logits_indices=torch.arange(num_seqs, device=dev),
-                 sampled=[])
-
-
-def make_layers(cfg, dev, seed):
-    from torch import nn
-
-    from models.llama import LlamaDecoderLayer
-    torch.manual_seed(seed)
-    layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, dev, torch.bfloat16) for i in range(cfg.num_layers))
-    with torch.no_grad():
-        for name, p in layers.named_parameters():
-            if "layernorm" in name:
-                p.uniform_(0.8, 1.2)
-            else:
-                p.normal_(0, p.shape[1] ** -0.5)
-    return layers
+def bench_overlap(results, steps, repeats, model="llama-3.2-1b", device="cuda"):
+    from bench import bench_decode
+    from engine.engine import Engine
+    rows = []
+    for overlap in (True, False):
+        engine = Engine(engine_config(model=model, device=device, seed=0, overlap=overlap,
+                                      cuda_graphs=True, max_num_seqs=64, kv_cache_tokens=64 * 1024))
+        vocab = min(engine.model_config.vocab_size, 49152)
+        rng = random.Random(0)
+        for batch in (1, 64):
+            runs = [bench_decode(engine, rng, vocab, batch, 256, steps) for _ in range(repeats)]
+            row = {"overlap": overlap, "batch": batch, "graphs": engine.graphs is not None,
+                   "step_ms": statistics.median(r[1] * 1e3 for r in runs),
+                   "step_ms_runs": [r[1] * 1e3 for r in runs],
+                   "host_ms": statistics.median(r[2] * 1e3 for r in runs),
+                   "tok_s": statistics.median(r[0] for r in runs)}
+            rows.append(row)
+            log(f"[overlap] overlap={overlap!s:5s} batch {batch:2d}: {row['step_ms']:.3f} ms/step "
+                f"(runs {', '.join(f'{x:.3f}' for x in row['step_ms_runs'])}), host {row['host_ms']:.3f} "
+                f"ms/step, {row['tok_s']:.0f} tok/s, graphs {row['graphs']}")
+        results["pipelined_engine"] = hasattr(engine, "in_flight")   # the lead's overlap code is in
+        del engine
+        free_memory()
+    results["overlap"] = rows
 
 
-def kv_cache(cfg, num_tokens, dev):
+# ----------------------------------------------------------------------------- (b) offload, (c) trace
+
+def offload_limit_bytes(preset, fields, resident_layers, dtype):
+    """A gpu_memory_limit that holds `resident_layers` decoder layers, by the engine's own plan:
+    non-layer weights + KV cache + activation reserve + resident layers + two streaming buffers,
+    plus half a layer of slack for alignment."""
+    import types
+
+    from engine.engine import Engine
     from engine.memory.kv_cache import KVCache
-    kv = KVCache(cfg.num_layers, num_tokens // 16, 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, dev)
-    kv.k.normal_()
-    kv.v.normal_()
-    return kv
+    c = preset
+    cfg = types.SimpleNamespace(**fields)
+    fake = types.SimpleNamespace(config=cfg, model_config=c, dtype=dtype)
+    reserve = Engine._activation_reserve(fake)
+    kv = fields["kv_cache_tokens"] * KVCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, dtype)
+    h, hd, elt = c.hidden_size, c.head_dim, torch.empty(0, dtype=dtype).element_size()
+    layer = elt * (h * hd * (2 * c.num_heads + 2 * c.num_kv_heads) + 3 * h * c.intermediate_size + 2 * h)
+    non_layer = elt * (c.vocab_size * h * (1 if c.tie_word_embeddings else 2) + h)
+    return non_layer + kv + reserve + (resident_layers + 2.5) * layer
 
 
-def run_stack(layers, x, batch, inv_freq):
-    residual = None
-    for layer in layers:
-        x, residual = layer(x, residual, batch.positions, batch, inv_freq)
-    return x + residual
-
-
-# ----------------------------------------------------------------------------- 1. weight streaming
-
-def bench_offload(dev, ceil, out_dir, results):
-    from engine.batch import build_prefill_only
-    from engine.kernels.rope import rope_inv_freq
-    from engine.streams import LayerStreamer, StepStreams, layer_stream_bytes, plan_offload
+def bench_offload(results, ceil, out_dir, steps, repeats, name="llama-3.1-8b", device="cuda"):
+    from bench import bench_decode
+    from engine.engine import Engine
     from models.presets import SHAPE_PRESETS
-    cfg = SHAPE_PRESETS["llama-3.1-8b"]
-    layers = make_layers(cfg, dev, 0)
-    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(dev)
-    kv = kv_cache(cfg, 16 * 256, dev)
-    cases = {"decode 16 tok": (decode_batch(16, 256, kv, dev), 16),
-             "prefill 8192 tok": (build_prefill_only([list(range(8192))], dev), 8192)}
-    xs = {k: torch.randn(t, cfg.hidden_size, device=dev, dtype=torch.bfloat16) for k, (_, t) in cases.items()}
-    sizes = [layer_stream_bytes(layer) for layer in layers]
-    layer_bytes = sizes[0]
-    plan = plan_offload(sizes, 0, (len(sizes) // 2 + 2) * layer_bytes, 0)   # half the layers + 2 buffers
-    log(f"[offload] layer {layer_bytes / 1e6:.1f} MB; streamed {len(plan.offloaded_layers)} of "
-        f"{len(sizes)}: {plan.offloaded_layers}")
-    s = StepStreams(dev)
-    resident, refs = {}, {}
-    with torch.inference_mode(), s.on(s.compute):
-        for k, (batch, _) in cases.items():
-            refs[k] = run_stack(layers, xs[k], batch, inv_freq).float()
-            resident[k] = event_ms(lambda: run_stack(layers, xs[k], batch, inv_freq), 5, s.compute)
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated(dev)
-    streamer = LayerStreamer(layers, plan, s)
-    torch.cuda.empty_cache()
-    results["offload_device_bytes_saved"] = saved = before - torch.cuda.memory_allocated(dev)
-    log(f"[offload] device memory: {saved / 1e9:.2f} GB freed ({len(plan.offloaded_layers)} layers out, "
-        "2 buffers in)")
-    serial = StepStreams(dev)
-    serial.h2d = serial.compute            # the same copies, queued in line with the compute
+    cuda = device == "cuda"
+    preset = SHAPE_PRESETS[name]
+    fields = {"max_num_batched_tokens": 2048, "max_num_seqs": 16, "kv_cache_tokens": 4096}
+    resident = preset.num_layers // 2 if preset.num_layers >= 8 else 1   # two buffers cost 2 layers
+    limit = offload_limit_bytes(preset, fields, resident,
+                                torch.bfloat16 if cuda else torch.float32)
+    engine = Engine(engine_config(model=name, device=device, seed=0, offload=True,
+                                  gpu_memory_limit=limit / 2**30, **fields))
+    st = engine.streamer
+    assert st is not None, "nothing was offloaded"
+    per_token = sum(st.blobs[i].nbytes for i in st.order)     # every streamed layer, once per step
+    h2d = ceil["h2d_pinned_GBps"] * 1e9
+    ceiling_tok_s = h2d / per_token
+    res = {"model": name, "gpu_memory_limit_GiB": limit / 2**30, "streamed_layers": len(st.order),
+           "num_layers": preset.num_layers, "layer_bytes": st.buffer_bytes, "bytes_per_token": per_token,
+           "h2d_GBps": ceil["h2d_pinned_GBps"], "ceiling_tok_s": ceiling_tok_s,
+           "peak_allocated_GB": None, "rows": []}
+    log(f"[offload] {name}: {len(st.order)} of {preset.num_layers} layers streamed "
+        f"({per_token / 1e9:.2f} GB per token), limit {limit / 2**30:.2f} GiB; ceiling "
+        f"{ceiling_tok_s:.2f} tok/s at {ceil['h2d_pinned_GBps']:.1f} GB/s")
+    vocab = min(engine.model_config.vocab_size, 49152)
+    rng = random.Random(0)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    for prefetch in (True, False):
+        st.prefetch = prefetch
+        runs = []
+        for _ in range(repeats):
+            before = st.copied_bytes
+            steps_before = engine.stats["steps"]
+            tok_s, step_s, host_s = bench_decode(engine, rng, vocab, 1, 128, steps)
+            copied = (st.copied_bytes - before) / max(engine.stats["steps"] - steps_before, 1)
+            runs.append((tok_s, step_s, host_s, copied))
+        tok_s = statistics.median(r[0] for r in runs)
+        row = {"prefetch": prefetch, "tok_s": tok_s, "tok_s_runs": [r[0] for r in runs],
+               "step_ms": statistics.median(r[1] * 1e3 for r in runs),
+               "host_ms": statistics.median(r[2] * 1e3 for r in runs),
+               "copied_bytes_per_step": statistics.median(r[3] for r in runs),
+               "pct_of_ceiling": 100 * tok_s / ceiling_tok_s,
+               "achieved_h2d_GBps": tok_s * per_token / 1e9}
+        res["rows"].append(row)
+        log(f"[offload] prefetch={prefetch!s:5s}: {tok_s:.2f} tok/s ({row['pct_of_ceiling']:.0f}% of the "
+            f"H2D ceiling), {row['step_ms']:.1f} ms/step, streams {row['achieved_h2d_GBps']:.1f} GB/s, "
+            f"copied {row['copied_bytes_per_step'] / 1e9:.2f} GB/step")
+    res["peak_allocated_GB"] = torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan")
+    st.prefetch = True
+    results["offload"] = res
+    try:
+        results["trace"] = trace_offload(engine, rng, vocab, out_dir, cuda)
+    except Exception as e:     # noqa: BLE001  (the picture must not cost the numbers)
+        log(f"[trace] failed: {type(e).__name__}: {e}")
+        results["trace"] = {"error": f"{type(e).__name__}: {e}"}
+    for rid in list(engine.requests):
+        engine.abort(rid)
+    del engine, st
+    free_memory()
+
+
+def trace_offload(engine, rng, vocab, out_dir, cuda=True, num_steps=3):
+    """Profile `num_steps` offloaded decode steps at batch 1 and draw the streams' timeline."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench import random_prompt
+    from engine.sampling import SamplingParams
+    params = SamplingParams(max_tokens=num_steps + 8, temperature=0, ignore_eos=True, detokenize=False)
+    engine.add_request("trace", random_prompt(rng, 128, vocab), params, lambda c: None)
+    for _ in range(3):                 # prefill and two decode steps: the pipeline is full
+        engine.step()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(num_steps):
+            engine.step()
+        sync()
+    engine.abort("trace")
+    path = os.path.join(out_dir, "offload_trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    os.remove(path)
+    info = timeline_png(events, os.path.join(out_dir, "offload_timeline.png"),
+                        f"{num_steps} decode steps, llama-3.1-8b shapes, half the layers streamed "
+                        "from pinned host memory (batch 1)")
+    log(f"[trace] {info}")
+    return info
+
+
+def _busy(intervals):
+    """Merged [start, end) intervals."""
+    out = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _overlap(x, y):
+    total, i, j = 0.0, 0, 0
+    while i < len(x) and j < len(y):
+        lo, hi = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        total += max(0.0, hi - lo)
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def timeline_png(events, path, title):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not gpu:
+        raise RuntimeError("the trace holds no GPU events")
+    t0 = min(e["ts"] for e in gpu)
+
+    def kind(e):
+        n = e["name"]
+        if "HtoD" in n:
+            return "H2D copy"
+        if "DtoH" in n:
+            return "D2H copy"
+        return "kernel" if e["cat"] == "kernel" else "other copy/memset"
+
+    streams: dict = {}
+    for e in gpu:
+        streams.setdefault(e.get("args", {}).get("stream", -1), []).append(e)
     rows = []
-    for k, (batch, _) in cases.items():
-        for mode, streams in (("prefetch", s), ("serial", serial)):
-            streamer.streams = streams
-            with torch.inference_mode(), streams.on(streams.compute):
-                out = run_stack(layers, xs[k], batch, inv_freq).float()
-                torch.cuda.synchronize()
-                err = ((out - refs[k]).norm() / refs[k].norm()).item()
-                before = streamer.copied_bytes
-                iters = 5
-                ms = event_ms(lambda: run_stack(layers, xs[k], batch, inv_freq), iters, streams.compute)
-                per_fwd = (streamer.copied_bytes - before) / (iters + 2)
-            gbps = per_fwd / ms / 1e6
-            rows.append({"case": k, "mode": mode, "ms": ms, "resident_ms": resident[k],
-                         "copy_GB": per_fwd / 1e9, "GBps": gbps, "pct_h2d": 100 * gbps / ceil["h2d_pinned_GBps"],
-                         "copy_floor_ms": per_fwd / ceil["h2d_pinned_GBps"] / 1e6, "rel_err": err})
-            log(f"[offload] {k:17s} {mode:8s} {ms:8.2f} ms  resident {resident[k]:7.2f} ms  "
-                f"{gbps:6.1f} GB/s ({rows[-1]['pct_h2d']:.0f}% of H2D)  rel err {err:.1e}")
-    streamer.streams = s
-    results["offload"] = rows
-    # trace: one prefill forward with the prefetch
-    batch = cases["prefill 8192 tok"][0]
-    with torch.inference_mode(), s.on(s.compute):
-        trace(lambda: run_stack(layers, xs["prefill 8192 tok"], batch, inv_freq), out_dir,
-              "offload_8b_prefill8192", "Llama-3.1-8B stack, 16 of 32 layers streamed, 8192-token prefill")
+    for sid, evs in streams.items():
+        kinds = [kind(e) for e in evs]
+        main = max(set(kinds), key=kinds.count)
+        busy = _busy([(e["ts"] - t0, e["ts"] - t0 + e["dur"]) for e in evs])
+        rows.append((sid, evs, kinds, main, busy))
+    order = {"H2D copy": 0, "kernel": 1, "D2H copy": 2}
+    rows.sort(key=lambda r: (order.get(r[3], 3), -len(r[1])))
+    names = {"H2D copy": "copy stream (H2D)", "kernel": "compute stream", "D2H copy": "readback (D2H)"}
+    colors = {"kernel": "tab:blue", "H2D copy": "tab:orange", "D2H copy": "tab:green",
+              "other copy/memset": "tab:gray"}
+    span = max(e["ts"] + e["dur"] for e in gpu) - t0
+    fig, ax = plt.subplots(figsize=(10, 0.9 + 0.55 * len(rows)))
+    labels = []
+    for y, (sid, evs, kinds, main, busy) in enumerate(rows):
+        busy_ms = sum(b - a for a, b in busy) / 1e3
+        labels.append(f"{names.get(main, main)} ({sid})\nbusy {busy_ms:.0f} of {span / 1e3:.0f} ms")
+        for k, color in colors.items():
+            bars = [((e["ts"] - t0) / 1e3, max(e["dur"] / 1e3, span / 1e3 / 2000))
+                    for e, kk in zip(evs, kinds) if kk == k]
+            if bars:
+                ax.broken_barh(bars, (y - 0.38, 0.76), facecolor=color, label=k, edgecolor="white",
+                               linewidth=0.4 if k == "H2D copy" else 0)
+    handles, names_ = ax.get_legend_handles_labels()
+    uniq = dict(zip(names_, handles))
+    ax.legend(uniq.values(), uniq.keys(), loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7,
+              ncol=len(uniq), frameon=False)
+    ax.set_yticks(range(len(rows)), labels, fontsize=7)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlabel("ms", fontsize=8)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.set_title(title, fontsize=8, loc="left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    copy = next((r[4] for r in rows if r[3] == "H2D copy"), [])
+    compute = next((r[4] for r in rows if r[3] == "kernel"), [])
+    compute_ms = sum(b - a for a, b in compute) / 1e3
+    return {"png": os.path.basename(path), "png_bytes": os.path.getsize(path), "span_ms": span / 1e3,
+            "copy_busy_ms": sum(b - a for a, b in copy) / 1e3, "compute_busy_ms": compute_ms,
+            "both_busy_ms": _overlap(copy, compute) / 1e3, "streams": len(rows)}
 
 
-# ----------------------------------------------------------------------------- 2. step-input upload
-
-def bench_upload(dev, out_dir, results):
-    from engine.kernels.rope import rope_inv_freq
-    from engine.memory.host_ring import PinnedRing
-    from engine.streams import StepStreams, TokenReadback
-    from models.presets import SHAPE_PRESETS
-    cfg = SHAPE_PRESETS["llama-3.2-1b"]
-    layers = make_layers(cfg, dev, 1)
-    from models.llama import RMSNorm
-    norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dev, torch.bfloat16)
-    torch.manual_seed(2)
-    embed = torch.randn(cfg.vocab_size, cfg.hidden_size, device=dev, dtype=torch.bfloat16)
-    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(dev)
-    max_seqs, max_ctx, steps, bs = 64, 512, 60, 16
-    per_seq = max_ctx // bs
-    kv = kv_cache(cfg, max_seqs * max_ctx, dev)
-    kv_init = (kv.k.clone(), kv.v.clone())
-    s = StepStreams(dev)
-    ring = PinnedRing(3, 1 << 16, s)
-    readback = TokenReadback(s, num_slots=2)
-    from engine.batch import Batch
-
-    def host_inputs(num_seqs, step, ids):
-        ctx = 200 + step
-        tables = [[q * per_seq + j for j in range(per_seq)] for q in range(num_seqs)]
-        return {"input_ids": ids, "positions": [ctx - 1] * num_seqs,
-                "slot_mapping": [t[(ctx - 1) // bs] * bs + (ctx - 1) % bs for t in tables],
-                "block_tables": tables, "context_lens": [ctx] * num_seqs,
-                "logits_indices": list(range(num_seqs))}
-
-    dtypes = {"input_ids": torch.int64, "positions": torch.int64, "slot_mapping": torch.int64,
-              "block_tables": torch.int32, "context_lens": torch.int32, "logits_indices": torch.int64}
-
-    def forward(d, num_seqs):
-        b = Batch(input_ids=d["input_ids"], positions=d["positions"], slot_mapping=d["slot_mapping"],
-                  kv_cache=kv, num_prefills=0, num_prefill_tokens=0, prefill_offsets=d["logits_indices"][:1],
-                  prefill_context_lens=d["context_lens"][:0],
-                  prefill_block_tables=d["block_tables"][:0], prefill_has_prefix=False,
-                  num_decodes=num_seqs, decode_context_lens=d["context_lens"],
-                  decode_block_tables=d["block_tables"], logits_indices=d["logits_indices"], sampled=[])
-        x = torch.nn.functional.embedding(d["input_ids"], embed)
-        h = run_stack(layers, x, b, inv_freq)
-        h = norm(h)
-        return torch.argmax(h.index_select(0, d["logits_indices"]) @ embed.t(), dim=-1)
-
-    def run(mode, num_seqs, n_steps):
-        kv.k.copy_(kv_init[0])
-        kv.v.copy_(kv_init[1])
-        torch.cuda.synchronize()
-        ids = list(range(1, num_seqs + 1))
-        out_tokens, pending, prev_dev = [], None, None
-        t0 = time.perf_counter()
-        with torch.inference_mode(), s.on(s.compute):
-            for step in range(n_steps):
-                inp = host_inputs(num_seqs, step, ids)
-                if mode == "pageable":
-                    d = {k: torch.tensor(v, dtype=dtypes[k], device=dev) for k, v in inp.items()}
-                elif mode == "pinned same stream":
-                    d = {k: torch.tensor(v, dtype=dtypes[k], pin_memory=True).to(dev, non_blocking=True)
-                         for k, v in inp.items()}
-                else:
-                    slot = ring.acquire()
-                    for k, v in inp.items():
-                        if not (mode == "ring + async readback" and k == "input_ids" and prev_dev is not None):
-                            slot.put(k, v, dtypes[k])
-                    d = ring.upload(slot)
-                    if "input_ids" not in d:
-                        d["input_ids"] = prev_dev
-                tokens = forward(d, num_seqs)
-                if mode == "ring + async readback":
-                    ring.release(slot)
-                    ticket = readback.send(tokens)
-                    prev_dev = tokens
-                    if pending is not None:
-                        out_tokens.append(pending.result().tolist())
-                    pending = ticket
-                    continue
-                if mode == "ring":
-                    ring.release(slot)
-                ids = tokens.tolist()
-                out_tokens.append(ids)
-            if pending is not None:
-                out_tokens.append(pending.result().tolist())
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / n_steps * 1e3, out_tokens
-
-    modes = ("pageable", "pinned same stream", "ring", "ring + async readback")
-    rows = []
-    for num_seqs in (1, 64):
-        base_tokens = None
-        for mode in modes:
-            run(mode, num_seqs, 8)            # warm-up: kernels, pinned buffers, device twins
-            ms_runs = []
-            for _ in range(3):
-                ms, toks = run(mode, num_seqs, steps)
-                ms_runs.append(ms)
-            base_tokens = base_tokens or toks
-            same = toks == base_tokens
-            rows.append({"batch": num_seqs, "mode": mode, "ms_per_step": statistics.median(ms_runs),
-                         "spread_ms": max(ms_runs) - min(ms_runs), "same_tokens": same})
-            log(f"[upload] batch {num_seqs:3d} {mode:22s} {rows[-1]['ms_per_step']:7.3f} ms/step "
-                f"(spread {rows[-1]['spread_ms']:.3f})  same tokens as pageable: {same}")
-    results["upload"] = rows
-    results["upload_ring_host_waits"] = ring.host_waits
-    trace(lambda: run("ring + async readback", 64, 6), out_dir, "step_pipeline_1b_b64",
-          "Llama-3.2-1B decode steps, batch 64: ring upload + async token readback")
-
-
-# ----------------------------------------------------------------------------- 3. allocators
+# ----------------------------------------------------------------------------- (d) allocators
 
 def alloc_child(backend, release):
+    """Runs in its own process, started with PYTORCH_ALLOC_CONF=backend:<backend>; prints RESULT lines
+    one part at a time, so a crash late in the process keeps what came before."""
     from engine.memory import allocator
     allocator.configure_allocator(backend, release)
     dev = torch.device("cuda")
     allocator.apply_release(dev)
     assert allocator.allocator_backend() == backend
+    print("RESULT " + json.dumps(alloc_mlp(backend, release, dev)), flush=True)
+    free_memory()
+    for graphs in (False, True):
+        print("RESULT " + json.dumps(alloc_engine(backend, release, graphs)), flush=True)
+
+
+def alloc_mlp(backend, release, dev):
+    out = {"part": "mlp", "backend": backend, "release": release}
     hidden, inter = 2048, 8192
     torch.manual_seed(0)
     wgu = [torch.randn(2 * inter, hidden, device=dev, dtype=torch.bfloat16) / hidden ** 0.5 for _ in range(2)]
@@ -323,7 +365,6 @@ def alloc_child(backend, release):
     growing = sorted(torch.randint(1, 8193, (64,), generator=gen).tolist())
     varying = torch.randint(1, 8193, (200,), generator=gen).tolist()
     step(1)
-    out = {"backend": backend, "release": release}
     for phase, sizes in (("growing", growing), ("varying", varying)):
         times = []
         for m in sizes:
@@ -333,166 +374,201 @@ def alloc_child(backend, release):
         out[phase] = {"median_ms": statistics.median(times), "mean_ms": statistics.mean(times),
                       "max_ms": max(times), "total_ms": sum(times)}
     out["reserved_GB"] = torch.cuda.memory_reserved() / 1e9 if backend == "native" else _pool_reserved(dev)
-    print("RESULT " + json.dumps(out), flush=True)
+    return out
+
+
+def alloc_engine(backend, release, graphs):
+    """The engine on 64 requests of random lengths submitted at once: the decode batch shrinks as
+    they finish, so step shapes change all the time."""
+    from bench import random_prompt, run_to_completion
+    from engine.engine import Engine
+    from engine.sampling import SamplingParams
+    out = {"part": "engine", "backend": backend, "release": release, "cuda_graphs": graphs}
+    engine = None
+    try:
+        engine = Engine(engine_config(model="llama-3.2-1b", device="cuda", seed=0, cuda_graphs=graphs,
+                                      max_num_seqs=64, kv_cache_tokens=64 * 512))
+        out["graphs_captured"] = engine.graphs is not None
+        rng = random.Random(3)
+        vocab = min(engine.model_config.vocab_size, 49152)
+
+        def requests(tag, n):
+            return [(f"{tag}{i}", random_prompt(rng, rng.randint(32, 256), vocab),
+                     SamplingParams(max_tokens=rng.randint(16, 160), temperature=0, ignore_eos=True,
+                                    detokenize=False)) for i in range(n)]
+        run_to_completion(engine, requests("w", 8))          # warm-up
+        reqs = requests("r", 64)
+        torch.cuda.synchronize()
+        steps = engine.stats["steps"]
+        t = time.perf_counter()
+        outs = run_to_completion(engine, reqs)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t
+        out["tokens"] = sum(len(o) for o in outs)
+        out["tok_s"] = out["tokens"] / elapsed
+        out["steps"] = engine.stats["steps"] - steps
+        out["step_ms"] = elapsed / out["steps"] * 1e3
+        out["peak_reserved_GB"] = (torch.cuda.max_memory_reserved() / 1e9 if backend == "native"
+                                   else _pool_reserved(torch.device("cuda")))
+    except Exception as e:       # noqa: BLE001  (reported, not raised: the next part still runs)
+        import traceback
+        out["error"] = f"{type(e).__name__}: {e}"[:600]
+        out["traceback"] = traceback.format_exc()[-2500:]
+    finally:
+        del engine
+        free_memory()
+    return out
 
 
 def _pool_reserved(dev):
     from cuda.bindings import runtime as cudart
-    err, pool = cudart.cudaDeviceGetDefaultMemPool(dev.index or 0)
-    err, value = cudart.cudaMemPoolGetAttribute(pool, cudart.cudaMemPoolAttr.cudaMemPoolAttrReservedMemCurrent)
+    _err, pool = cudart.cudaDeviceGetDefaultMemPool(dev.index or 0)
+    _err, value = cudart.cudaMemPoolGetAttribute(pool, cudart.cudaMemPoolAttr.cudaMemPoolAttrReservedMemCurrent)
     return int(value) / 1e9
 
 
-def bench_allocators(results):
+def bench_allocators(results, timeout):
     rows = []
     for backend, release in (("native", "dedicated"), ("cudaMallocAsync", "dedicated"),
                              ("cudaMallocAsync", "shared")):
         # torch reads the variable when it loads: the child starts with it set
         env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
         env["PYTORCH_ALLOC_CONF"] = f"backend:{backend}"
-        p = subprocess.run([sys.executable, __file__, "--alloc-child", backend, release],
-                           capture_output=True, text=True, env=env, cwd=ROOT)
-        line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-        if p.returncode or not line:
-            log(f"[alloc] {backend} {release} FAILED:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
-            continue
-        r = json.loads(line[0][7:])
-        rows.append(r)
-        log(f"[alloc] {backend:16s} {release:9s} growing: median {r['growing']['median_ms']:.3f} "
-            f"max {r['growing']['max_ms']:.2f} total {r['growing']['total_ms']:.1f} ms | varying: median "
-            f"{r['varying']['median_ms']:.3f} mean {r['varying']['mean_ms']:.3f} max {r['varying']['max_ms']:.2f} ms"
-            f" | reserved {r['reserved_GB']:.2f} GB")
+        t = time.perf_counter()
+        try:
+            p = subprocess.run([sys.executable, os.path.abspath(__file__), "--alloc-child", backend, release],
+                               capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout, check=False)
+            stdout, stderr, rc = p.stdout, p.stderr, p.returncode
+        except subprocess.TimeoutExpired as e:
+            stdout, stderr, rc = (e.stdout or b"").decode(), (e.stderr or b"").decode(), "timeout"
+        parts = [json.loads(ln[7:]) for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+        row = {"backend": backend, "release": release, "exit": rc, "seconds": time.perf_counter() - t,
+               "parts": parts}
+        row["stderr_tail"] = stderr[-2500:]
+        if rc != 0 or len(parts) < 3:
+            log(f"[alloc] {backend} {release}: exit {rc}, {len(parts)} of 3 parts; stderr tail:\n{stderr[-1500:]}")
+        for part in parts:
+            if part["part"] == "mlp":
+                g, v = part["growing"], part["varying"]
+                log(f"[alloc] {backend:15s} {release:9s} MLP growing: median {g['median_ms']:.3f} max "
+                    f"{g['max_ms']:.2f} ms | varying: median {v['median_ms']:.3f} mean {v['mean_ms']:.3f} "
+                    f"max {v['max_ms']:.2f} ms | reserved {part['reserved_GB']:.2f} GB")
+            elif "error" in part:
+                log(f"[alloc] {backend:15s} {release:9s} engine graphs={part['cuda_graphs']}: {part['error']}")
+            else:
+                log(f"[alloc] {backend:15s} {release:9s} engine graphs={part['cuda_graphs']} (captured "
+                    f"{part['graphs_captured']}): {part['tok_s']:.0f} tok/s, {part['step_ms']:.3f} ms/step "
+                    f"over {part['steps']} steps")
+        rows.append(row)
     results["allocators"] = rows
-
-
-# ----------------------------------------------------------------------------- 4. traces
-
-def trace(fn, out_dir, name, title):
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    path = os.path.join(out_dir, f"{name}.json")
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
-    with gzip.open(path + ".gz", "wt") as f:
-        json.dump({"traceEvents": [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]}, f)
-    os.remove(path)
-    timeline_png(events, os.path.join(out_dir, f"{name}.png"), title)
-
-
-def timeline_png(events, path, title):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    if not gpu:
-        log(f"[trace] no GPU events for {path}")
-        return
-    t0 = min(e["ts"] for e in gpu)
-    streams = {}
-    for e in gpu:
-        streams.setdefault(e.get("args", {}).get("stream", -1), []).append(e)
-
-    def kind(e):
-        n = e["name"]
-        if "HtoD" in n:
-            return "H2D copy"
-        if "DtoH" in n:
-            return "D2H copy"
-        return "memcpy/memset" if e["cat"] != "kernel" else "kernel"
-
-    colors = {"kernel": "tab:blue", "H2D copy": "tab:orange", "D2H copy": "tab:green", "memcpy/memset": "tab:gray"}
-    order = sorted(streams, key=lambda k: -len(streams[k]))
-    fig, ax = plt.subplots(figsize=(14, 1.0 + 0.8 * len(order)))
-    labels = []
-    for row, sid in enumerate(order):
-        evs = streams[sid]
-        kinds = [kind(e) for e in evs]
-        main = max(set(kinds), key=kinds.count)
-        busy = sum(e["dur"] for e in evs) / 1e3
-        plural = {"kernel": "kernels", "H2D copy": "H2D copies", "D2H copy": "D2H copies"}.get(main, main)
-        labels.append(f"stream {sid}\n{plural}, busy {busy:.1f} ms")
-        for k in colors:
-            bars = [((e["ts"] - t0) / 1e3, max(e["dur"] / 1e3, 1e-3)) for e, kk in zip(evs, kinds) if kk == k]
-            if bars:
-                ax.broken_barh(bars, (row - 0.4, 0.8), color=colors[k], label=k)
-    handles, names = ax.get_legend_handles_labels()
-    uniq = dict(zip(names, handles))
-    ax.legend(uniq.values(), uniq.keys(), loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    ax.set_yticks(range(len(order)), labels, fontsize=8)
-    ax.set_xlabel("ms")
-    ax.set_title(title, fontsize=10)
-    ax.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    log(f"[trace] wrote {path}")
 
 
 # ----------------------------------------------------------------------------- main
 
-def free_memory():
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_streams"))
     ap.add_argument("--alloc-child", nargs=2, metavar=("BACKEND", "RELEASE"))
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: offload,upload,alloc")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: overlap,offload,alloc")
+    ap.add_argument("--steps", type=int, default=64, help="(a): timed decode steps per run")
+    ap.add_argument("--offload-steps", type=int, default=12, help="(b): timed decode steps per run")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per (a) point; (b) takes 2")
+    ap.add_argument("--child-timeout", type=int, default=150, help="(d): seconds per allocator process")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU dry run of (a)-(c) on llama-tiny with made-up ceilings: proves the script, "
+                         "measures nothing")
     args = ap.parse_args()
     if args.alloc_child:
         alloc_child(*args.alloc_child)
         return
     os.makedirs(args.out, exist_ok=True)
     skip = set(args.skip.split(","))
-    results = {}
-    if "alloc" not in skip:        # first: the children need the GPU memory to themselves
-        bench_allocators(results)
-    dev = torch.device("cuda")
-    results["device"] = torch.cuda.get_device_name(dev)
+    results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "commit": os.environ.get("BENCH_COMMIT", "unknown")}
+    t_all = time.perf_counter()
+    if "alloc" not in skip and not args.smoke:     # first: the children need the GPU to themselves
+        bench_allocators(results, args.child_timeout)
+    device, big, small = ("cpu", "llama-tiny", "llama-tiny") if args.smoke else ("cuda", "llama-3.1-8b", "llama-3.2-1b")
+    results["device"] = "cpu (smoke run)" if args.smoke else torch.cuda.get_device_name(0)
     results["torch"] = torch.__version__
-    results["ceilings"] = ceil = ceilings(dev)
+    results["ceilings"] = ceil = ({"h2d_pinned_GBps": 10.0, "d2h_pinned_GBps": 10.0, "hbm_copy_GBps": 50.0}
+                                  if args.smoke else ceilings(torch.device("cuda")))
     log(f"[ceil] {results['device']}: " + ", ".join(f"{k} {v:.1f}" for k, v in ceil.items()))
-    if "offload" not in skip:
-        bench_offload(dev, ceil, args.out, results)
-        free_memory()        # the streamer's hooks hold the layers in a reference cycle
-    if "upload" not in skip:
-        bench_upload(dev, args.out, results)
-    with open(os.path.join(args.out, "bench_streams.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    def save():
+        with open(os.path.join(args.out, "bench_streams.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    save()
+    for part, fn in (("offload", lambda: bench_offload(results, ceil, args.out, args.offload_steps, 2, big, device)),
+                     ("overlap", lambda: bench_overlap(results, args.steps, args.repeats, small, device))):
+        if part in skip:
+            continue
+        t = time.perf_counter()
+        try:
+            fn()
+        except Exception as e:      # noqa: BLE001  (one part failing must not lose the others)
+            import traceback
+            traceback.print_exc()
+            results[part] = {"error": f"{type(e).__name__}: {e}"}
+            free_memory()
+        results.setdefault("seconds", {})[part] = time.perf_counter() - t
+        save()
+    results.setdefault("seconds", {})["total"] = time.perf_counter() - t_all
+    save()
     summary(results)
 
 
 def summary(r):
-    log(f"\n## {r['device']}, torch {r['torch']}")
+    log(f"\n## {r['device']}, torch {r['torch']}, {r['date']}, commit {r['commit']}")
     c = r["ceilings"]
     log(f"ceilings: pinned H2D {c['h2d_pinned_GBps']:.1f} GB/s, pinned D2H {c['d2h_pinned_GBps']:.1f} GB/s, "
         f"HBM copy {c['hbm_copy_GBps']:.0f} GB/s")
-    if "offload" in r:
-        log(f"offload: {r['offload_device_bytes_saved'] / 1e9:.2f} GB of device memory freed")
-        log("\n| case | mode | ms / forward | all-resident ms | H2D GB / fwd | GB/s | % of H2D ceiling | rel err vs resident |")
-        log("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-        for x in r["offload"]:
-            log(f"| {x['case']} | {x['mode']} | {x['ms']:.2f} | {x['resident_ms']:.2f} | {x['copy_GB']:.2f} | "
-                f"{x['GBps']:.1f} | {x['pct_h2d']:.0f}% | {x['rel_err']:.1e} |")
-    if "upload" in r:
-        log("\n| batch | inputs | ms / step | spread | same tokens |")
-        log("| ---: | --- | ---: | ---: | --- |")
-        for x in r["upload"]:
-            log(f"| {x['batch']} | {x['mode']} | {x['ms_per_step']:.3f} | {x['spread_ms']:.3f} | {x['same_tokens']} |")
+    ov = r.get("overlap")
+    if isinstance(ov, list):
+        log(f"\n(a) llama-3.2-1b decode, CUDA graphs on (pipelined engine code present: {r.get('pipelined_engine')})")
+        log("| batch | overlap | ms / step | host ms / step | tok/s | runs (ms / step) |")
+        log("| ---: | --- | ---: | ---: | ---: | --- |")
+        for x in sorted(ov, key=lambda x: (x["batch"], not x["overlap"])):
+            log(f"| {x['batch']} | {'on' if x['overlap'] else 'off'} | {x['step_ms']:.3f} | {x['host_ms']:.3f} | "
+                f"{x['tok_s']:.0f} | {', '.join(f'{v:.3f}' for v in x['step_ms_runs'])} |")
+    elif ov:
+        log(f"\n(a) failed: {ov}")
+    off = r.get("offload")
+    if off and "rows" in off:
+        log(f"\n(b) {off['model']} offload: {off['streamed_layers']} of {off['num_layers']} layers streamed, "
+            f"{off['bytes_per_token'] / 1e9:.2f} GB per token; ceiling {off['ceiling_tok_s']:.2f} tok/s at "
+            f"{off['h2d_GBps']:.1f} GB/s pinned H2D; peak allocated {off['peak_allocated_GB']:.1f} GB")
+        log("| prefetch | tok/s (batch 1) | % of H2D ceiling | ms / step | streamed GB/s | runs (tok/s) |")
+        log("| --- | ---: | ---: | ---: | ---: | --- |")
+        for x in off["rows"]:
+            log(f"| {'on' if x['prefetch'] else 'off'} | {x['tok_s']:.2f} | {x['pct_of_ceiling']:.0f}% | "
+                f"{x['step_ms']:.1f} | {x['achieved_h2d_GBps']:.1f} | {', '.join(f'{v:.2f}' for v in x['tok_s_runs'])} |")
+    elif off:
+        log(f"\n(b) failed: {off}")
+    tr = r.get("trace")
+    if tr:
+        log(f"\n(c) trace: {tr}")
     if r.get("allocators"):
-        log("\n| allocator | release | growing: median / max / total ms | varying: median / mean / max ms | reserved GB |")
-        log("| --- | --- | --- | --- | ---: |")
+        log("\n(d) allocators")
+        log("| allocator | release | MLP varying: median / mean / max ms | growing: median / max ms | "
+            "engine graphs off: tok/s, ms/step | engine graphs on |")
+        log("| --- | --- | --- | --- | --- | --- |")
         for x in r["allocators"]:
-            g, v = x["growing"], x["varying"]
-            log(f"| {x['backend']} | {x['release']} | {g['median_ms']:.3f} / {g['max_ms']:.2f} / {g['total_ms']:.1f} | "
-                f"{v['median_ms']:.3f} / {v['mean_ms']:.3f} / {v['max_ms']:.2f} | {x['reserved_GB']:.2f} |")
+            parts = {p["part"] + ("" if p["part"] == "mlp" else str(p["cuda_graphs"])): p for p in x["parts"]}
+            m = parts.get("mlp")
+            mlp = (f"{m['varying']['median_ms']:.3f} / {m['varying']['mean_ms']:.3f} / {m['varying']['max_ms']:.2f}"
+                   if m else "–")
+            grow = f"{m['growing']['median_ms']:.3f} / {m['growing']['max_ms']:.2f}" if m else "–"
+
+            def eng(p, x=x):
+                if p is None:
+                    return f"missing (exit {x['exit']})"
+                if "error" in p:
+                    return p["error"][:120]
+                return (f"{p['tok_s']:.0f}, {p['step_ms']:.3f}" +
+                        ("" if p["graphs_captured"] == p["cuda_graphs"] else " (capture failed: eager)"))
+            log(f"| {x['backend']} | {x['release']} | {mlp} | {grow} | {eng(parts.get('engineFalse'))} | "
+                f"{eng(parts.get('engineTrue'))} |")
+    log(f"\nseconds: {r.get('seconds')}")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """bench.py --quick runs the whole harness on the CPU: every configuration, the HF baseline, the
 quality column and the output files."""
+import argparse
 import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -11,12 +14,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_bench_quick_runs_every_configuration(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run([sys.executable, "bench.py", "--quick", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=900,
+                          check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     rows = {r["config"]: r for r in results["configs"]}
     from bench import CONFIGS
     assert set(rows) == set(CONFIGS) | {"HF transformers"}
+    assert CONFIGS["overlap-off"] == ({"overlap": False}, True)
     for name, row in rows.items():
         assert "error" not in row, (name, row.get("error"))
         assert row["prefill_tok_s"] > 0 and row["decode_b1_tok_s"] > 0
@@ -27,4 +32,38 @@ def test_bench_quick_runs_every_configuration(tmp_path):
     assert (out / "results.md").read_text().count("|") > 20
     assert (out / "tokens_per_sec.png").stat().st_size > 1000
     assert (out / "roofline.png").stat().st_size > 1000
-    assert {p["config"] for p in results["gemm_points"]} == set(CONFIGS) - {"fused-off"}
+    assert {p["config"] for p in results["gemm_points"]} == set(CONFIGS) - {"fused-off", "overlap-off"}
+    # HF ran the engine's throughput requests, statically batched, and says how it counted
+    hf = rows["HF transformers"]
+    assert hf["throughput_tok_s"] > 0 and hf["throughput_requests"] == results["args"]["requests"]
+    assert hf["throughput_useful_tokens"] <= hf["throughput_generated_tokens"]
+    assert "useful of" in (out / "results.md").read_text()
+
+
+def test_bench_engine_wide_options(monkeypatch, capsys):
+    import torch
+
+    import bench
+    from engine.memory import allocator
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)    # no restart on a GPU box
+    monkeypatch.delenv(allocator.ENV, raising=False)
+    monkeypatch.setattr(allocator, "_release", "dedicated")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--offload", action="store_true")
+    ap.add_argument("--gpu-memory-limit", type=float)
+    ap.add_argument("--no-cuda-graphs", action="store_true")
+    allocator.add_arguments(ap)
+    args = ap.parse_args(["--allocator", "cudaMallocAsync", "--offload", "--gpu-memory-limit", "12"])
+    assert bench.engine_overrides(args, ap) == {"offload": True, "gpu_memory_limit": 12.0, "cuda_graphs": False}
+    assert bench.engine_overrides(ap.parse_args([]), ap) == {}
+    with pytest.raises(SystemExit) as e:      # checked before anything is loaded or measured
+        bench.main(["--memory-release", "shared", "--out", "unused"])
+    assert e.value.code == 2 and "needs the cudaMallocAsync backend" in capsys.readouterr().err
+
+
+def test_throughput_requests_are_the_same_draws_for_engine_and_hf():
+    import bench
+    args = argparse.Namespace(requests=256, min_len=100, max_len=1024)
+    a, b = bench.throughput_requests(args, 49152), bench.throughput_requests(args, 49152)
+    assert a == b and len(a) == 256
+    assert all(100 <= len(p) <= 1024 and 100 <= n <= 1024 for p, n in a)

@@ -29,7 +29,7 @@ MODEL = "llama"
 MAX_MODEL_LEN = 512
 API_KEY = "test-key-3f9a"
 STARTUP_TIMEOUT_S = 240        # the model loads in seconds, but CI cores are shared
-GREEDY = dict(temperature=0.0, max_tokens=12)
+GREEDY = {"temperature": 0.0, "max_tokens": 12}
 
 
 class Server:
@@ -38,7 +38,7 @@ class Server:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="serve-", suffix=".log", delete=False)
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="serve-", suffix=".log", delete=False)  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, str(ROOT / "serve.py"), "--model", MODEL, "--port", str(self.port),
              "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-tokens", "8192", *extra],
@@ -181,7 +181,7 @@ def test_max_completion_tokens_stop_and_logprobs(server, reference):
 
 
 def test_n_choices_use_seed_plus_index(server, reference):
-    sampled = dict(temperature=0.9, top_p=0.95, max_tokens=8)
+    sampled = {"temperature": 0.9, "top_p": 0.95, "max_tokens": 8}
     refs = [reference.generate([COMPLETION_PROMPT], SamplingParams(seed=7 + i, **sampled))[0]
             for i in range(3)]
     assert len({r.text for r in refs}) > 1       # the seeds matter, so the comparison below means something
@@ -249,8 +249,12 @@ def test_64_concurrent_streams(server, reference):
 
 
 def _malformed_cases(long_prompt: str):
-    chat = lambda **kw: ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, **kw})  # noqa: E731
-    comp = lambda **kw: ("/v1/completions", {"model": MODEL, "prompt": "hi", **kw})  # noqa: E731
+    def chat(**kw):
+        return "/v1/chat/completions", {"model": MODEL, "messages": CHAT, **kw}
+
+    def comp(**kw):
+        return "/v1/completions", {"model": MODEL, "prompt": "hi", **kw}
+
     bad = "invalid_request_error"
     return [
         # (name, path, body (dict, or bytes sent as is), status, param)
@@ -392,13 +396,47 @@ def test_disconnects_abort_and_free_blocks(server, reference):
 def test_cli_has_every_engine_option():
     from engine.config import EngineConfig
     out = subprocess.run([sys.executable, str(ROOT / "serve.py"), "--help"], capture_output=True, text=True,
-                         cwd=ROOT, timeout=120)
+                         cwd=ROOT, timeout=120, check=False)
     assert out.returncode == 0
     for f in dataclasses.fields(EngineConfig):
         if f.name != "extra":
             assert "--" + f.name.replace("_", "-") in out.stdout, f.name
-    for flag in ("--host", "--port", "--api-key", "--shutdown-timeout", "--max-request-bytes"):
+    for flag in ("--host", "--port", "--api-key", "--shutdown-timeout", "--max-request-bytes",
+                 "--allocator", "--memory-release"):
         assert flag in out.stdout
+
+
+@pytest.fixture
+def cpu_allocator(monkeypatch):
+    """configure_allocator as on a machine without CUDA (no restart), its state restored after."""
+    import torch
+
+    from engine.memory import allocator
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv(allocator.ENV, raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(allocator, "_release", "dedicated")
+    return allocator
+
+
+def test_cli_allocator_options(cpu_allocator, capsys, caplog):
+    import serve
+    args = serve.parse_args([])
+    assert (args.allocator, args.memory_release) == ("native", "dedicated")
+    assert not hasattr(args, "cuda_graphs")        # left to EngineConfig's default
+    assert os.environ[cpu_allocator.ENV] == "backend:native"
+    with caplog.at_level("WARNING"):
+        args = serve.parse_args(["--allocator", "cudaMallocAsync", "--memory-release", "shared"])
+    assert os.environ[cpu_allocator.ENV] == "backend:cudaMallocAsync"
+    assert cpu_allocator._release == "shared"
+    assert args.cuda_graphs is False and "CUDA-graph decode steps are off" in caplog.text
+    assert serve.parse_args(["--allocator", "cudaMallocAsync", "--no-cuda-graphs"]).cuda_graphs is False
+    for argv, message in ((["--memory-release", "shared"], "needs the cudaMallocAsync backend"),
+                          (["--allocator", "cudaMallocAsync", "--cuda-graphs"], "use --no-cuda-graphs"),
+                          (["--allocator", "cudaMalloc"], "invalid choice")):
+        with pytest.raises(SystemExit) as e:
+            serve.parse_args(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err, argv
 
 
 def test_api_key(keyed_server):
@@ -422,19 +460,19 @@ def test_sigterm_drains_and_exits_zero(keyed_server):
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0,
             "ignore_eos": True, "stream": True}
     events = []
-    with httpx.Client(base_url=keyed_server.url, headers=auth, timeout=60) as http:
-        with http.stream("POST", "/v1/completions", json=body) as r:
-            lines = r.iter_lines()
-            for line in lines:
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                    break
-            signaled = time.monotonic()
-            keyed_server.proc.send_signal(signal.SIGTERM)
-            time.sleep(0.3)
-            refused = httpx.post(keyed_server.url + "/v1/completions", headers=auth, timeout=10,
-                                 json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
-            events += [line[6:] for line in lines if line.startswith("data: ")]
+    with httpx.Client(base_url=keyed_server.url, headers=auth, timeout=60) as http, \
+            http.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: "):
+                events.append(line[6:])
+                break
+        signaled = time.monotonic()
+        keyed_server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        refused = httpx.post(keyed_server.url + "/v1/completions", headers=auth, timeout=10,
+                             json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        events += [line[6:] for line in lines if line.startswith("data: ")]
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
     assert events[-1] == "[DONE]"
     last = json.loads(events[-2])

@@ -2,6 +2,7 @@
 offload planner, the step's stream plumbing (fake streams on the CPU, CUDA streams under
 sync-debug mode on the GPU), layer-weight streaming with every weight format, the allocator switch."""
 import dataclasses
+import itertools
 import os
 import subprocess
 import sys
@@ -9,15 +10,22 @@ import sys
 import pytest
 import torch
 
-import engine  # noqa: F401  (imports the package before models/, which it depends on)
-import engine.kernels.nvfp4  # noqa: F401  (registers the weight formats)
+import engine
+import engine.kernels.nvfp4
 import engine.kernels.sparse24  # noqa: F401
 from engine.batch import build_prefill_only
 from engine.linear import LinearBackend
 from engine.memory import allocator
 from engine.memory.host_ring import PinnedRing
-from engine.streams import (FakeStreams, LayerStreamer, OffloadPlan, StepStreams, TokenReadback,
-                            layer_stream_bytes, plan_offload)
+from engine.streams import (
+    FakeStreams,
+    LayerStreamer,
+    OffloadPlan,
+    StepStreams,
+    TokenReadback,
+    layer_stream_bytes,
+    plan_offload,
+)
 from engine.streams.offload import find_tensors
 from models.llama import LlamaForCausalLM
 from models.presets import SHAPE_PRESETS
@@ -90,7 +98,7 @@ def test_ring_wraps_and_never_reuses_a_slot_before_its_upload_completed():
     assert ring.host_waits == 5
     for i in range(3):
         copies = [j for j, e in enumerate(log) if e == ("copy", "h2d", f"inputs{i}")]
-        for a, b in zip(copies, copies[1:]):
+        for a, b in itertools.pairwise(copies):
             assert log[a:b].count(("host_wait", f"uploaded{i}")) == 1
 
 
@@ -270,6 +278,50 @@ def test_streamed_layers_match_resident_with_every_weight_format():
     assert copies == 2 + 3 * len(plan.offloaded_layers)
 
 
+def test_streamer_without_prefetch_serialises_copy_and_compute():
+    model = _tiny_model(["bf16", "fp8", "bf16", "bf16", "nvfp4"])
+    batch = build_prefill_only([torch.randint(0, 1000, (n,)).tolist() for n in (5, 9)],
+                               torch.device("cpu"))
+    ref = model(batch.input_ids, batch.positions, batch)
+    sizes = [layer_stream_bytes(layer) for layer in model.layers]
+    streamed = [0, 1, 3, 4]
+    plan = OffloadPlan([2], streamed, 2 * max(sizes[i] for i in streamed))
+    s = FakeStreams(auto_complete=False)
+    for i, layer in enumerate(model.layers):    # hooks registered first run first: the "kernel"
+        layer.register_forward_hook(lambda m, a, o, i=i: s.kernel(f"layer{i}"))
+    streamer = LayerStreamer(model.layers, plan, s, prefetch=False)
+    assert streamer.copied_bytes == 0 and not any(e[0] == "copy" for e in s.log)   # nothing ahead
+    for _ in range(2):
+        out = model(batch.input_ids, batch.positions, batch)
+        assert rel_err(out, ref) < 1e-6
+    log = s.log
+    copies = [j for j, e in enumerate(log) if e[0] == "copy"]
+    assert len(copies) == 2 * len(streamed)
+    assert streamer.copied_bytes == 2 * sum(sizes[i] for i in streamed)
+    for j in copies:
+        layer, b = log[j][2].split("->")
+        b = b[-1]
+        # the copy waits for the compute queued so far, and the layer waits for the copy
+        assert log[j - 3:j] == [("record", "compute", "issued"), ("wait", "h2d", "issued"),
+                                ("wait", "h2d", f"done{b}")]
+        assert log[j + 1:j + 3] == [("record", "h2d", f"ready{b}"), ("wait", "compute", f"ready{b}")]
+        # no other copy is queued before this layer's own kernel
+        kernel = first(log, ("kernel", "compute", layer), j)
+        assert not any(log[k][0] == "copy" for k in range(j + 1, kernel))
+    # back to prefetching between forwards: same output, and copies run ahead of the compute again
+    streamer.prefetch = True
+    start = len(log)
+    for _ in range(2):
+        assert rel_err(model(batch.input_ids, batch.positions, batch), ref) < 1e-6
+    def next_kernel(j):
+        return next((e[2] for e in log[j:] if e[0] == "kernel"), None)
+
+    # without prefetch the next kernel after a copy is always the copied layer's; with it, not
+    assert all(next_kernel(j) == log[j][2].split("->")[0] for j in copies)
+    assert any(log[j][0] == "copy" and next_kernel(j) not in (None, log[j][2].split("->")[0])
+               for j in range(start, len(log)))
+
+
 def test_streamer_refuses_layers_on_another_device():
     layer = torch.nn.Linear(4, 4)
     plan = OffloadPlan([], [0], 2 * layer_stream_bytes(layer))
@@ -392,6 +444,12 @@ def test_gpu_streamed_layers_match_resident():
         assert rel_err(out, ref) < 1e-3      # same kernels on the same bytes: exact unless a kernel is not deterministic
     order = plan.offloaded_layers
     assert streamer.copied_bytes == sizes[order[0]] + sizes[order[1]] + 3 * sum(sizes[i] for i in order)
+    streamer.prefetch = False           # copy and compute serialised: the same result
+    for _ in range(2):
+        with s.on(s.compute):
+            out = model(batch.input_ids, batch.positions, batch).float()
+        torch.cuda.synchronize()
+        assert rel_err(out, ref) < 1e-3
 
 
 @pytest.mark.gpu
@@ -403,7 +461,7 @@ def test_gpu_allocator_backend_is_cudamallocasync_when_requested():
             "import torch; x = torch.empty(1 << 20, device='cuda'); a.apply_release('cuda');"
             "print(a.allocator_backend(), a.release_threshold('cuda'));"
             "a.set_release_threshold('cuda', True); print(a.release_threshold('cuda'))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["cudaMallocAsync", "0", str(2 ** 64 - 1)]

@@ -14,16 +14,26 @@ a CUDA attribute, set through cuda-bindings once torch has initialised the pool:
 """
 from __future__ import annotations
 
+import argparse
+import logging
 import os
 import sys
 
 BACKENDS = ("native", "cudaMallocAsync")
 RELEASES = ("dedicated", "shared")
+# The command-line default: what won benchmarks/bench_streams.py end to end (BENCHMARKS.md,
+# "Streams and host memory"); cudaMallocAsync also costs the CUDA-graph decode steps, see below.
+DEFAULT_BACKEND = "native"
+DEFAULT_RELEASE = "dedicated"
+GRAPHS_CONFLICT = ("CUDA-graph capture under the cudaMallocAsync backend failed on torch 2.11 "
+                   "('uncaptured free ... invalid argument' when the captured decode graphs were "
+                   "set up)")
 ENV = "PYTORCH_ALLOC_CONF"
 UINT64_MAX = 2 ** 64 - 1
 REEXEC_MARK = "MICROENGINE_ALLOCATOR_REEXEC"
 
 _release = "dedicated"      # what configure_allocator chose; apply_release puts it on the device
+log = logging.getLogger("microengine.allocator")
 
 
 def configure_allocator(backend: str, release: str, reexec: bool = False) -> None:
@@ -119,6 +129,53 @@ def release_threshold(device) -> int:
 
 
 def apply_release(device) -> None:
-    """Apply the release chosen in configure_allocator to `device` (after CUDA is initialised)."""
+    """Apply the release chosen in configure_allocator to `device` (after CUDA is initialised);
+    nothing to do on the CPU or under the native allocator."""
+    import torch
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return
     if allocator_backend() == "cudaMallocAsync":
         set_release_threshold(device, _release == "dedicated")
+
+
+# ----------------------------------------------------------------------------- command line
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """--allocator and --memory-release, for serve.py and bench.py."""
+    group = parser.add_argument_group("device memory")
+    group.add_argument("--allocator", choices=BACKENDS, default=DEFAULT_BACKEND,
+                       help="torch's device allocator: 'native' (the caching allocator over "
+                            "cudaMalloc) or 'cudaMallocAsync' (the driver's stream-ordered pool; "
+                            "turns CUDA-graph decode steps off, see BENCHMARKS.md) "
+                            "(default: %(default)s)")
+    group.add_argument("--memory-release", choices=RELEASES, default=DEFAULT_RELEASE,
+                       help="cudaMallocAsync only: 'dedicated' keeps freed memory in the pool (the "
+                            "GPU is this process's), 'shared' returns it to the driver at each "
+                            "synchronisation for other processes (default: %(default)s)")
+
+
+def configure_from_args(args, parser: argparse.ArgumentParser | None = None) -> None:
+    """Check the two options and select the backend, restarting the process once if torch already
+    loaded with another one (call it before anything touches CUDA). A bad combination is a
+    command-line error."""
+    try:
+        configure_allocator(args.allocator, args.memory_release, reexec=True)
+    except ValueError as e:
+        if parser is None:
+            raise
+        parser.error(str(e))
+
+
+def resolve_cuda_graphs(backend: str, requested: bool | None) -> bool | None:
+    """The cuda_graphs setting to use under `backend`. Under cudaMallocAsync, graphs asked for
+    explicitly (True) are an error naming the conflict; left to the default (None) they are turned
+    off with a warning. Under the native allocator `requested` is returned unchanged."""
+    if backend != "cudaMallocAsync" or requested is False:
+        return requested
+    if requested:
+        raise ValueError(f"--cuda-graphs with --allocator cudaMallocAsync: {GRAPHS_CONFLICT}; "
+                         "use --no-cuda-graphs, or the native allocator")
+    log.warning("--allocator cudaMallocAsync: CUDA-graph decode steps are off (%s); "
+                "decode steps launch their kernels one by one", GRAPHS_CONFLICT)
+    return False

@@ -193,10 +193,17 @@ class LayerStreamer:
     layers' forward hooks then do the rest, on whatever stream the forward runs on.
 
     Outside its own forward a streamed layer's tensors alias a device buffer that may hold another
-    layer's bytes: read them only inside the forward (the pinned copy is `host[layer]`)."""
+    layer's bytes: read them only inside the forward (the pinned copy is `host[layer]`).
 
-    def __init__(self, layers, plan: OffloadPlan, streams, device=None):
+    prefetch=True (the default): each layer's post-hook queues the copy of the next streamed layer
+    into the buffer it frees, so copies run on the H2D stream while resident layers compute.
+    prefetch=False: every streamed layer is copied in its own pre-hook, after all work queued so far
+    on the compute stream, and the compute stream waits for that copy: copy and compute serialise
+    (the baseline the prefetch is measured against). The attribute may be flipped between forwards."""
+
+    def __init__(self, layers, plan: OffloadPlan, streams, device=None, prefetch: bool = True):
         self.layers, self.streams = list(layers), streams
+        self.prefetch = prefetch
         self.order = list(plan.offloaded_layers)
         device = torch.device(device) if device is not None else streams.device
         self.blobs = blobs = {i: LayerBlob(self.layers[i]) for i in self.order}
@@ -220,11 +227,14 @@ class LayerStreamer:
             offset += blobs[i].nbytes
         self.ready = [streams.new_event(f"ready{b}") for b in range(2)]
         self.done = [streams.new_event(f"done{b}") for b in range(2)]
+        self.issued = streams.new_event("issued")     # prefetch=False: the compute reached a layer
         self.holds: list[int | None] = [None, None]
         self.active: dict[int, int] = {}               # layer -> buffer, while it runs
         self.copied_bytes = 0
-        for b, i in enumerate(self.order[:2]):
-            self._load(i, b)
+        self._serial_buffer = 0                        # prefetch=False alternates the two buffers
+        if prefetch:
+            for b, i in enumerate(self.order[:2]):
+                self._load(i, b)
         for i in self.order:
             self.layers[i].register_forward_pre_hook(self._pre_hook(i))
             self.layers[i].register_forward_hook(self._post_hook(i))
@@ -243,7 +253,15 @@ class LayerStreamer:
 
     def _pre_hook(self, layer: int):
         def hook(module, args):
-            if layer in self.holds:
+            if not self.prefetch:
+                # Serialised: the copy starts only when the compute has reached this layer, and
+                # the layer waits for it. Both buffers take turns, as with the prefetch.
+                s, b = self.streams, self._serial_buffer
+                self._serial_buffer = 1 - b
+                s.record(self.issued, s.current())
+                s.wait(s.h2d, self.issued)
+                self._load(layer, b)
+            elif layer in self.holds:
                 b = self.holds.index(layer)
             else:   # out of the usual order (a forward broke off): fetch it now, sparing the next one
                 nxt = self._next_after(layer)
@@ -258,6 +276,8 @@ class LayerStreamer:
         def hook(module, args, output):
             b = self.active.pop(layer)
             self.streams.record(self.done[b], self.streams.current())
+            if not self.prefetch:
+                return
             nxt = self._next_after(layer)
             if nxt in self.holds:                          # already fetched into the other buffer
                 nxt = self._next_after(nxt)
