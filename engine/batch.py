@@ -3,7 +3,13 @@
 Prefill chunks come first, back to back, described by their offsets (cu_seqlens): attention views
 its q/k/v rows over those offsets as jagged nested tensors (layout=torch.jagged), so variable-length
 prompts need no padding. Decodes (one token per sequence) follow, with their block tables and
-context lengths. Every tensor is built on the host in one go and copied to the device once.
+context lengths.
+
+`plan_batch` lays a step out on the host as plain lists (the engine packs them into a pinned slot and
+uploads them in one copy); `BatchPlan.batch` wraps the uploaded tensors as the `Batch` the model
+reads. A decode row whose token was sampled by the step still in flight holds PLACEHOLDER on the
+host; `fill_rows` / `fill_src` say where to copy it from on the device (that step's token tensor), so
+the host never waits for it.
 """
 from __future__ import annotations
 
@@ -12,6 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.scheduler import ScheduledSeq
+
+PLACEHOLDER = 0     # a token id still on the device; any valid id keeps a missed fill from crashing
 
 
 @dataclass
@@ -23,6 +31,8 @@ class Batch:
     num_prefills: int
     num_prefill_tokens: int
     prefill_offsets: torch.Tensor        # [P + 1] int64 cu_seqlens of the prefill chunks (jagged offsets)
+    prefill_max_len: int                 # longest / shortest chunk, known on the host, so the jagged
+    prefill_min_len: int                 # tensors never ask the device for them (a sync)
     prefill_context_lens: torch.Tensor   # [P] int32: cached prefix + this chunk
     prefill_block_tables: torch.Tensor | None  # [P, max_blocks] int32
     prefill_has_prefix: bool             # any chunk attends to keys computed in an earlier step
@@ -37,15 +47,43 @@ class Batch:
         return self.input_ids.shape[0]
 
 
-def _table(rows, width):
-    return [r + [0] * (width - len(r)) for r in rows]
+@dataclass
+class BatchPlan:
+    fields: dict[str, tuple[list, torch.dtype]]   # every input tensor's host data
+    num_prefills: int
+    num_prefill_tokens: int
+    prefill_max_len: int
+    prefill_min_len: int
+    prefill_has_prefix: bool
+    num_decodes: int
+    num_fills: int                       # rows whose token comes from the previous step's samples
+    sampled: list[ScheduledSeq]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.fields["input_ids"][0])
+
+    def batch(self, dev: dict[str, torch.Tensor], kv_cache) -> Batch:
+        """The Batch over the uploaded fields (`dev`: name -> device tensor)."""
+        p = self.num_prefills
+        ctx, tables = dev["context_lens"], dev["block_tables"]
+        return Batch(
+            input_ids=dev["input_ids"], positions=dev["positions"], slot_mapping=dev["slot_mapping"],
+            kv_cache=kv_cache, num_prefills=p, num_prefill_tokens=self.num_prefill_tokens,
+            prefill_offsets=dev["prefill_offsets"], prefill_max_len=self.prefill_max_len,
+            prefill_min_len=self.prefill_min_len, prefill_context_lens=ctx[:p],
+            prefill_block_tables=tables[:p], prefill_has_prefix=self.prefill_has_prefix,
+            num_decodes=self.num_decodes, decode_context_lens=ctx[p:], decode_block_tables=tables[p:],
+            logits_indices=dev["logits_indices"], sampled=self.sampled)
 
 
-def build_batch(scheduled: list[ScheduledSeq], kv_cache, device) -> Batch:
+def plan_batch(scheduled: list[ScheduledSeq], block_size: int, pending: dict | None = None) -> BatchPlan:
+    """pending: sequence -> row of the in-flight step's sampled tokens that holds its last token."""
     prefills = [s for s in scheduled if s.num_tokens > 1]
     decodes = [s for s in scheduled if s.num_tokens == 1]
-    bs = kv_cache.block_size
+    bs = block_size
     ids, pos, slots, offsets, ctx, logit_rows, sampled = [], [], [], [0], [], [], []
+    fill_rows, fill_src = [], []
     for item in prefills + decodes:
         seq, start, n = item.seq, item.start, item.num_tokens
         ids += seq.tokens(start, start + n)
@@ -54,29 +92,25 @@ def build_batch(scheduled: list[ScheduledSeq], kv_cache, device) -> Batch:
         slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
         offsets.append(offsets[-1] + n)
         ctx.append(start + n)
+        if pending and seq in pending and start + n == len(seq):
+            fill_rows.append(len(ids) - 1)      # its last token is the one still on the device
+            fill_src.append(pending[seq])
         if item.samples:
             logit_rows.append(len(ids) - 1)
             sampled.append(item)
     np_ = len(prefills)
     width = max(len(s.seq.block_table) for s in scheduled)
-    tables = _table([s.seq.block_table for s in prefills + decodes], width)
-    pin = device.type == "cuda"
-
-    def dev(data, dtype):
-        t = torch.tensor(data, dtype=dtype, pin_memory=pin)
-        return t.to(device, non_blocking=True)
-
-    input_ids = dev(ids, torch.int64)
-    table_t = dev(tables, torch.int32)
-    ctx_t = dev(ctx, torch.int32)
-    return Batch(
-        input_ids=input_ids, positions=dev(pos, torch.int64), slot_mapping=dev(slots, torch.int64),
-        kv_cache=kv_cache, num_prefills=np_, num_prefill_tokens=offsets[np_],
-        prefill_offsets=dev(offsets[:np_ + 1], torch.int64),
-        prefill_context_lens=ctx_t[:np_], prefill_block_tables=table_t[:np_],
-        prefill_has_prefix=any(s.start > 0 for s in prefills),
-        num_decodes=len(decodes), decode_context_lens=ctx_t[np_:], decode_block_tables=table_t[np_:],
-        logits_indices=dev(logit_rows, torch.int64), sampled=sampled)
+    tables = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in prefills + decodes]
+    lens = [s.num_tokens for s in prefills]
+    fields = {"input_ids": (ids, torch.int64), "positions": (pos, torch.int64),
+              "slot_mapping": (slots, torch.int64), "prefill_offsets": (offsets[:np_ + 1], torch.int64),
+              "context_lens": (ctx, torch.int32), "block_tables": (tables, torch.int32),
+              "logits_indices": (logit_rows, torch.int64)}
+    if fill_rows:
+        fields["fill_rows"] = (fill_rows, torch.int64)
+        fields["fill_src"] = (fill_src, torch.int64)
+    return BatchPlan(fields, np_, offsets[np_], max(lens, default=0), min(lens, default=0),
+                     any(s.start > 0 for s in prefills), len(decodes), len(fill_rows), sampled)
 
 
 def build_prefill_only(token_lists: list[list[int]], device) -> Batch:
@@ -89,10 +123,11 @@ def build_prefill_only(token_lists: list[list[int]], device) -> Batch:
     input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
     off = torch.tensor(offsets, dtype=torch.int64, device=device)
     ctx = torch.tensor([len(t) for t in token_lists], dtype=torch.int32, device=device)
+    lens = [len(t) for t in token_lists]
     return Batch(
         input_ids=input_ids, positions=torch.tensor(pos, dtype=torch.int64, device=device),
         slot_mapping=None, kv_cache=None, num_prefills=len(token_lists), num_prefill_tokens=len(ids),
-        prefill_offsets=off,
+        prefill_offsets=off, prefill_max_len=max(lens), prefill_min_len=min(lens),
         prefill_context_lens=ctx, prefill_block_tables=None, prefill_has_prefix=False,
         num_decodes=0, decode_context_lens=None, decode_block_tables=None,
         logits_indices=torch.arange(len(ids), device=device), sampled=[])

@@ -54,12 +54,16 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192    # per-step token budget (decode tokens + prefill chunks)
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True              # capture decode steps in CUDA graphs (cuda only)
-    # Pipelined steps (cuda only): the host schedules and uploads step N+1 while step N runs, and
-    # reads step N's tokens after N+1 is queued. False: each step is serialised (for comparison).
+    # Pipelined steps: the host schedules and uploads step N+1 while step N runs, and reads step N's
+    # tokens after N+1 is queued (on the CPU the same logic runs on no-op streams). False: each
+    # step is serialised, for comparison.
     overlap: bool = True
     # GiB of device memory for weights + KV cache + activations; decoder layers that do not fit
     # stay in pinned host memory and are streamed through two device buffers (off when None).
     gpu_memory_limit: float | None = None
+    # Stream the decoder layers that do not fit from pinned host memory, with the device's total
+    # memory as the limit when gpu_memory_limit is not given.
+    offload: bool = False
     seed: int = 0                         # seeds random preset weights and unseeded sampling
 
     def __post_init__(self):

@@ -1,7 +1,15 @@
-"""The step loop: schedule -> build batch -> forward -> sample -> emit.
+"""The step loop: schedule -> pack inputs -> upload -> forward -> sample -> read back -> emit.
 
-`Engine` is single-threaded and synchronous; engine/llm.py runs it on a background thread and feeds
-it requests. Each step's outputs go to the request's sink (a callable taking a StreamChunk).
+`Engine` is single-threaded; engine/llm.py runs it on a background thread and feeds it requests.
+Each step's outputs go to the request's sink (a callable taking a StreamChunk).
+
+Steps are pipelined over three streams (engine/streams): the inputs of step N+1 are packed into a
+pinned slot and uploaded on the copy stream while step N computes; step N's sampled tokens come back
+through pinned memory on the D2H stream and are read only once step N+1 is queued. Step N+1's
+decode rows take the tokens step N sampled straight from the device (the host holds a placeholder
+until it reads them), so the host never waits for the GPU in the steady state. The cost is a lag of
+one step in seeing a finish: a sequence that sampled its EOS in step N has computed one more token
+in step N+1, which is dropped. `overlap=False` reads each step's tokens at once instead.
 """
 from __future__ import annotations
 
@@ -12,14 +20,17 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.batch import build_batch, build_prefill_only
+from engine.batch import PLACEHOLDER, build_prefill_only, plan_batch
 from engine.config import EngineConfig, resolve_device, resolve_dtype
 from engine.kernels.norms import set_fused_kernels, triton_available
 from engine.linear import convert_model, input_channel_norms
+from engine.memory.host_ring import PinnedRing
 from engine.memory.kv_cache import KVCache
 from engine.quality import calibration_windows
 from engine.sampling import Sampler, SamplingParams, TokenLogprob
-from engine.scheduler import Scheduler, Sequence
+from engine.scheduler import ScheduledSeq, Scheduler, Sequence, Status
+from engine.streams import FakeStreams, StepStreams, TokenReadback
+from engine.streams.streams import Ticket
 import models.loader  # module import: models.llama imports engine.kernels, so this cycles
 
 log = logging.getLogger("microengine")
@@ -102,6 +113,19 @@ class Request:
     arrival_time: float
     last_token_time: float | None = None
 
+    @property
+    def penalised(self) -> bool:
+        return bool(self.seq.params.presence_penalty or self.seq.params.frequency_penalty)
+
+
+@dataclass(eq=False)
+class InFlight:
+    """A step whose sampled tokens are still on their way back."""
+    ticket: Ticket
+    rows: list[tuple[Request, int]]     # per sampled row: its request, and the index in output_ids
+    tokens: torch.Tensor                # the sampled tokens on the device (the next step reads them)
+    row_of: dict[Sequence, int]         # sequence -> its row in `tokens`
+
 
 class Engine:
     def __init__(self, config: EngineConfig):
@@ -120,7 +144,11 @@ class Engine:
                 windows = calibration_windows(self.tokenizer)
                 norms = input_channel_norms(self.model, lambda: self.hidden_states(windows, check=False))
             convert_model(self.model, config.weights, config.sparse_ffn, norms)
-        self.streamer = self._stream_layers() if config.gpu_memory_limit is not None else None
+        # Non-blocking CUDA streams on the GPU; on the CPU the same plumbing runs on no-op streams.
+        self.streams = StepStreams(self.device) if self.device.type == "cuda" else FakeStreams(keep_log=False)
+        self.streamer = None
+        if config.gpu_memory_limit is not None or config.offload:
+            self.streamer = self._stream_layers()
         self.eos_ids = set(cfg.eos_token_ids)
         self.max_model_len = min(config.max_model_len or min(cfg.max_position_embeddings, 8192),
                                  cfg.max_position_embeddings)
@@ -133,9 +161,17 @@ class Engine:
         # Streamed layers swap their weights in forward hooks, which a captured graph would skip.
         if self.device.type == "cuda" and config.cuda_graphs and self.streamer is None:
             self._capture_graphs()
+        self.ring = PinnedRing(3, 1 << 16, self.streams)
+        self.readback = TokenReadback(self.streams, num_slots=2)
+        self.in_flight: InFlight | None = None
+        self.num_penalised = 0      # running requests with penalties: their steps do not overlap
         self.requests: dict[str, Request] = {}
         self.stats = {"steps": 0, "step_tokens": 0, "finished": 0, "aborted": 0, "host_s": 0.0}
         self.ttft, self.itl = LatencySummary(), LatencySummary()
+        if self.device.type == "cuda":
+            # Loading, conversion and graph capture ran on the default stream; the step streams
+            # do not sync with it, so everything it queued must be done first (once).
+            torch.cuda.synchronize(self.device)
 
     def _kv_bytes_per_token(self) -> int:
         cfg = self.model_config
@@ -177,17 +213,22 @@ class Engine:
         """Plan which decoder layers fit in gpu_memory_limit beside the KV cache, and stream the rest
         from pinned host memory (engine/streams/offload.py). On the CPU the streamer runs on no-op
         streams, which exercises the same plumbing."""
-        from engine.streams import FakeStreams, LayerStreamer, StepStreams, layer_stream_bytes, plan_offload
+        from engine.streams import LayerStreamer, layer_stream_bytes, plan_offload
         c, model = self.config, self.model
         sizes = [layer_stream_bytes(layer) for layer in model.layers]
         kv = (c.kv_cache_tokens or OFFLOAD_KV_TOKENS) * self._kv_bytes_per_token() + self._activation_reserve()
-        plan = plan_offload(sizes, self._non_layer_bytes(), int(c.gpu_memory_limit * 2**30), kv)
-        log.info("gpu_memory_limit %.2f GiB: %d of %d decoder layers streamed from pinned host memory",
-                 c.gpu_memory_limit, len(plan.offloaded_layers), len(sizes))
+        if c.gpu_memory_limit is not None:
+            limit = int(c.gpu_memory_limit * 2**30)
+        elif self.device.type == "cuda":
+            limit = torch.cuda.mem_get_info(self.device)[1]     # offload: the whole device
+        else:
+            return None     # offload without a limit: the CPU has no device memory to fit
+        plan = plan_offload(sizes, self._non_layer_bytes(), limit, kv)
+        log.info("device memory limit %.2f GiB: %d of %d decoder layers streamed from pinned host memory",
+                 limit / 2**30, len(plan.offloaded_layers), len(sizes))
         if not plan.offloads:
             return None
-        streams = StepStreams(self.device) if self.device.type == "cuda" else FakeStreams()
-        streamer = LayerStreamer(model.layers, plan, streams, device=self.device)
+        streamer = LayerStreamer(model.layers, plan, self.streams, device=self.device)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()    # the streamed layers' device copies are gone
         return streamer
@@ -229,56 +270,114 @@ class Engine:
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
-        self.requests[request_id] = Request(seq, sink, detok, gen, time.perf_counter())
+        req = self.requests[request_id] = Request(seq, sink, detok, gen, time.perf_counter())
+        self.num_penalised += req.penalised
         self.scheduler.add(seq)
 
+    def _drop(self, req: Request, reason: str) -> None:
+        """The request leaves: its blocks go back to the pool at once."""
+        self.scheduler.finish(req.seq, reason)
+        del self.requests[req.seq.request_id]
+        self.num_penalised -= req.penalised
+
     def abort(self, request_id: str) -> None:
-        req = self.requests.pop(request_id, None)
+        req = self.requests.get(request_id)
         if req is None:
             return
-        self.scheduler.finish(req.seq, "abort")
+        # A step still in flight may write this sequence's KV into the freed blocks; the next owner
+        # of those blocks writes them in a later step, on the same stream, so after it.
+        self._drop(req, "abort")
         self.stats["aborted"] += 1
-        req.sink(self._chunk(req, [], "", "abort", None))
+        req.sink(self._chunk(req, [], "", "abort", None, len(req.seq.output_ids) - req.seq.num_pending))
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.in_flight is not None
 
     # ---------------------------------------------------------------- the step
 
     def step(self) -> int:
-        """Run one step; returns the number of tokens it computed."""
-        t_start = time.perf_counter()
+        """Queue one step on the GPU and hand out the tokens of the step before it; returns the
+        number of tokens the new step computes (0 if there was nothing to schedule)."""
+        t_start, self._waited = time.perf_counter(), 0.0
+        # Penalties need every earlier token on the host: such steps are serialised.
+        overlap = self.config.overlap and not self.num_penalised
+        if self.in_flight is not None and not overlap:
+            self._finish(self.in_flight)
         scheduled = self.scheduler.schedule()
-        if not scheduled:
-            return 0
-        batch = build_batch(scheduled, self.kv_cache, self.device)
-        if self.graphs is not None and batch.num_prefills == 0 and batch.num_decodes <= self.graphs.max_batch:
-            logits = self.graphs.run(batch)      # every decode row samples, in order
-        else:
-            hidden = self.model(batch.input_ids, batch.positions, batch)
-            logits = self.model.compute_logits(hidden[batch.logits_indices]) if batch.sampled else None
-        t_launched = time.perf_counter()
-        token_ids, logprobs = [], []
-        if batch.sampled:
-            reqs = [self.requests[s.seq.request_id] for s in batch.sampled]
-            token_ids, logprobs = self.sampler(logits, [r.seq.params for r in reqs],
-                                               [r.generator for r in reqs],
-                                               [r.seq.output_ids for r in reqs])
+        previous, num_tokens = self.in_flight, 0
+        if scheduled:
+            self.in_flight = self._launch(scheduled)
+            num_tokens = sum(item.num_tokens for item in scheduled)
+            self.stats["steps"] += 1
+            self.stats["step_tokens"] += num_tokens
+        if previous is not None:        # its tokens, read while the step just queued runs
+            self._finish(previous)
+        if self.in_flight is not None and not overlap:
+            self._finish(self.in_flight)
+        # Host time of the step: all of it but the waits for the device (the readback events).
+        self.stats["host_s"] += time.perf_counter() - t_start - self._waited
+        return num_tokens
+
+    def _launch(self, scheduled: list[ScheduledSeq]) -> InFlight:
+        """Pack, upload, run and sample one step on the compute stream; returns without waiting."""
+        s = self.streams
+        prev = self.in_flight
+        plan = plan_batch(scheduled, self.config.block_size, prev.row_of if prev is not None else None)
+        reqs = [self.requests[item.seq.request_id] for item in plan.sampled]
+        params = [r.seq.params for r in reqs]
+        slot = self.ring.acquire()
+        for name, (data, dtype) in {**plan.fields, **Sampler.fields(params)}.items():
+            slot.put(name, data, dtype)
+        with s.on(s.compute):
+            dev = self.ring.upload(slot)
+            batch = plan.batch(dev, self.kv_cache)
+            if plan.num_fills:      # tokens the previous step sampled, straight from the device
+                batch.input_ids.index_copy_(0, dev["fill_rows"], prev.tokens.index_select(0, dev["fill_src"]))
+            if self.graphs is not None and batch.num_prefills == 0 and batch.num_decodes <= self.graphs.max_batch:
+                logits = self.graphs.run(batch)      # every decode row samples, in order
+            else:
+                hidden = self.model(batch.input_ids, batch.positions, batch)
+                logits = self.model.compute_logits(hidden[batch.logits_indices]) if plan.sampled else None
+            out = []
+            if plan.sampled:
+                out = self.sampler.sample(logits, params, [r.generator for r in reqs],
+                                          [r.seq.output_ids for r in reqs], dev)
+        self.ring.release(slot)
         for item in scheduled:
             self.scheduler.advance(item)
-        now = time.perf_counter()
-        for item, tok, lp in zip(batch.sampled, token_ids, logprobs):
-            self._emit(self.requests[item.seq.request_id], tok, lp, now)
-        self.stats["steps"] += 1
-        self.stats["step_tokens"] += batch.num_tokens
-        # Host time of the step outside the device's work and the sampler: scheduling, building the
-        # batch, launching the forward (one graph replay when captured), and the bookkeeping after.
-        self.stats["host_s"] += (t_launched - t_start) + (time.perf_counter() - now)
-        return batch.num_tokens
+        rows = []
+        for req in reqs:                # the new tokens hold their places until they are read
+            seq = req.seq
+            rows.append((req, len(seq.output_ids)))
+            seq.output_ids.append(PLACEHOLDER)
+            seq.num_pending += 1
+        tokens = out[0] if out else torch.empty(0, dtype=torch.int64, device=self.device)
+        ticket = self.readback.send(out or [tokens])
+        return InFlight(ticket, rows, tokens, {req.seq: i for i, (req, _) in enumerate(rows)})
 
-    def _emit(self, req: Request, token: int, logprob, now: float) -> None:
+    def _finish(self, step: InFlight) -> None:
+        """Read a step's tokens back (waiting for its copy only) and hand them to the requests."""
+        if self.in_flight is step:
+            self.in_flight = None
+        t = time.perf_counter()
+        host = step.ticket.result()
+        self._waited += time.perf_counter() - t
+        tokens = host[0].tolist()
+        params = [req.seq.params for req, _ in step.rows]
+        logprobs = Sampler.logprobs_on_host(params, tokens, *host[1:]) if len(host) > 1 else [None] * len(tokens)
+        now = time.perf_counter()
+        for (req, index), token, lp in zip(step.rows, tokens, logprobs):
+            seq = req.seq
+            seq.num_pending -= 1
+            if seq.status is Status.FINISHED:
+                continue    # aborted, or it finished on the token before this one
+            seq.output_ids[index] = token
+            self._emit(req, index, token, lp, now)
+
+    def _emit(self, req: Request, index: int, token: int, logprob, now: float) -> None:
+        """Token `index` of the request's output is known: stream it, and end the request if it is
+        the last one."""
         seq, params = req.seq, req.seq.params
-        seq.output_ids.append(token)
         if req.last_token_time is None:
             self.ttft.add(now - req.arrival_time)
         else:
@@ -291,20 +390,22 @@ class Engine:
             reason = "stop"
         elif req.detok is not None and req.detok.add(token) is not None:
             reason = "stop"
-        elif len(seq.output_ids) >= seq.max_tokens:
+        elif index + 1 >= seq.max_tokens:
             reason = "length"
         text = req.detok.take(final=reason is not None) if req.detok else ""
         if reason is not None:
-            self.scheduler.finish(seq, reason)
-            del self.requests[seq.request_id]
+            del seq.output_ids[index + 1:]      # a token sampled after the last one is dropped
+            seq.num_pending = 0
+            self._drop(req, reason)
             self.stats["finished"] += 1
-        req.sink(self._chunk(req, [token], text, reason, None if logprob is None else [logprob]))
+        else:
+            self.scheduler.publish(seq)         # blocks that waited for this token
+        req.sink(self._chunk(req, [token], text, reason, None if logprob is None else [logprob], index + 1))
 
     @staticmethod
-    def _chunk(req, token_ids, text, reason, logprobs):
-        seq = req.seq
-        return StreamChunk(seq.request_id, token_ids, text, reason, len(seq.prompt_ids),
-                           len(seq.output_ids), logprobs)
+    def _chunk(req, token_ids, text, reason, logprobs, completion_tokens):
+        return StreamChunk(req.seq.request_id, token_ids, text, reason, len(req.seq.prompt_ids),
+                           completion_tokens, logprobs)
 
     # ---------------------------------------------------------------- whole-sequence passes
 
@@ -314,9 +415,11 @@ class Engine:
             if not toks or len(toks) > self.max_model_len:
                 raise ValueError(f"input: each sequence needs 1..{self.max_model_len} tokens "
                                  f"(got {len(toks)})")
-        batch = build_prefill_only(token_lists, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, batch)
-        return list(hidden.split([len(t) for t in token_lists]))
+        s = self.streams
+        with s.on(s.compute):       # ordered after the steps (streamed layers rely on it)
+            batch = build_prefill_only(token_lists, self.device)
+            hidden = self.model(batch.input_ids, batch.positions, batch)
+            return list(hidden.split([len(t) for t in token_lists]))
 
     def metrics(self) -> dict:
         pool, s = self.kv_cache.pool, self.stats

@@ -65,22 +65,40 @@ class TokenLogprob:
 
 
 class Sampler:
+    """Samples on the device and returns device tensors: the engine reads them back later, through
+    pinned memory, so sampling never makes the host wait. Per-row parameters arrive as device
+    tensors uploaded with the step's other inputs (`fields` says which)."""
+
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None], histories: list[list[int]]):
-        """logits: [B, V] fp32, one row per request. Returns (token ids as a list, logprobs or None
-        per row). `histories` are the output tokens so far (for the penalties)."""
+    @staticmethod
+    def fields(params: list[SamplingParams]) -> dict[str, tuple[list, torch.dtype]]:
+        """The per-row parameters `sample` reads from the device, as host lists to upload."""
+        if all(p.greedy for p in params):
+            return {}
+        return {"temperature": ([p.temperature if not p.greedy else 1.0 for p in params], torch.float32),
+                "top_k": ([p.top_k for p in params], torch.int64),
+                "top_p": ([p.top_p for p in params], torch.float32),
+                "greedy": ([p.greedy for p in params], torch.bool)}
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
+               generators: list[torch.Generator | None], histories: list[list[int]],
+               dev: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """logits: [B, V] fp32, one row per request; dev: `fields(params)` on the device. Returns
+        [tokens [B] int64] and, if any row wants logprobs, [chosen [B], top values [B, k] fp32,
+        top ids [B, k] int64] after it. `histories` are the output tokens so far (penalties)."""
         logits = self._apply_penalties(logits, params, histories)
         if all(p.greedy for p in params):
             tokens = logits.argmax(-1)
         else:
-            tokens = self._sample(logits, params, generators)
-        return tokens.tolist(), self._logprobs(logits, tokens, params)
+            tokens = self._sample(logits, params, generators, dev)
+        return [tokens, *self._logprobs(logits, tokens, params)]
 
     def _apply_penalties(self, logits, params, histories):
+        # The history goes to the device as a pageable copy; the engine runs steps that hold
+        # penalised requests without overlap, so their histories are complete on the host.
         rows = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty) and histories[i]]
         if not rows:
             return logits
@@ -91,39 +109,36 @@ class Sampler:
             logits[i] -= params[i].frequency_penalty * counts + params[i].presence_penalty * (counts > 0).float()
         return logits
 
-    def _sample(self, logits, params, generators):
-        dev = logits.device
-        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=dev)
-        probs = (logits / temps[:, None]).softmax(-1)
-        top_k = torch.tensor([p.top_k for p in params], device=dev)
-        top_p = torch.tensor([p.top_p for p in params], device=dev)
-        if bool((top_k > 0).any()) or bool((top_p < 1).any()):
-            probs = _top_k_top_p(probs, top_k, top_p)
-        noise = torch.empty_like(probs)
-        shared = [i for i, g in enumerate(generators) if g is None]
-        if shared:
-            noise[shared] = torch.empty(len(shared), probs.shape[1], device=dev).exponential_(
-                generator=self.generator)
+    def _sample(self, logits, params, generators, dev):
+        probs = (logits / dev["temperature"][:, None]).softmax(-1)
+        if any(p.top_k > 0 or p.top_p < 1 for p in params):
+            probs = _top_k_top_p(probs, dev["top_k"], dev["top_p"])
+        # Every row draws from the shared generator; seeded rows then redraw from their own, so
+        # their tokens do not depend on what else is in the batch.
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, g in enumerate(generators):
             if g is not None:
                 noise[i].exponential_(generator=g)
         sampled = (probs / noise).argmax(-1)
-        greedy = torch.tensor([p.greedy for p in params], device=dev)
-        return torch.where(greedy, logits.argmax(-1), sampled)
+        return torch.where(dev["greedy"], logits.argmax(-1), sampled)
 
     @staticmethod
-    def _logprobs(logits, tokens, params):
-        wanted = [p.logprobs for p in params]
-        if all(w is None for w in wanted):
-            return [None] * len(params)
+    def _logprobs(logits, tokens, params) -> list[torch.Tensor]:
+        k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        if k is None:
+            return []
         lp = logits.log_softmax(-1)
-        k = max(w or 0 for w in wanted)
-        chosen = lp.gather(1, tokens[:, None])[:, 0].tolist()
+        chosen = lp.gather(1, tokens[:, None])[:, 0]
         top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-        top_v, top_i, toks = top_v.tolist(), top_i.tolist(), tokens.tolist()
-        return [None if w is None else
-                TokenLogprob(toks[r], chosen[r], list(zip(top_i[r][:w], top_v[r][:w])))
-                for r, w in enumerate(wanted)]
+        return [chosen, top_v, top_i]
+
+    @staticmethod
+    def logprobs_on_host(params, tokens: list[int], chosen, top_v, top_i) -> list[TokenLogprob | None]:
+        """The rows' TokenLogprobs from the host copies of `sample`'s logprob tensors."""
+        chosen, top_v, top_i = chosen.tolist(), top_v.tolist(), top_i.tolist()
+        return [None if p.logprobs is None else
+                TokenLogprob(tokens[r], chosen[r], list(zip(top_i[r][:p.logprobs], top_v[r][:p.logprobs])))
+                for r, p in enumerate(params)]
 
 
 def _top_k_top_p(probs, top_k, top_p):

@@ -44,6 +44,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)   # prefix hashes of the published blocks
     num_cached_tokens: int = 0          # prompt tokens served from the prefix cache at admission
+    num_pending: int = 0                # trailing output tokens sampled but not yet read back
     arrival: int = field(default_factory=lambda: next(_arrival))
     finish_reason: str | None = None
 
@@ -126,6 +127,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(len(seq) - seq.num_computed, budget)
+            if n <= 0 or len(seq.output_ids) >= seq.max_tokens:
+                i += 1      # its last token is sampled and on its way back: nothing left to compute
+                continue
             while not self._reserve(seq, seq.num_computed + n):
                 victim = self.running[-1]       # the newest: it has waited least
                 self._preempt(victim)
@@ -197,12 +201,16 @@ class Scheduler:
 
     def advance(self, item: ScheduledSeq) -> None:
         """Account for the tokens computed this step and publish the blocks they filled."""
-        seq = item.seq
-        seq.num_computed = item.start + item.num_tokens
+        item.seq.num_computed = item.start + item.num_tokens
+        self.publish(item.seq)
+
+    def publish(self, seq: Sequence) -> None:
+        """Make the sequence's full blocks findable, once their tokens are known on the host (a
+        block holding a token still on its way back waits for it)."""
         if not self.prefix_caching:
             return
         bs = self.block_size
-        full = seq.num_computed // bs
+        full = min(seq.num_computed, len(seq) - seq.num_pending) // bs
         for b in range(len(seq.block_hashes), full):
             toks = tuple(seq.tokens(b * bs, (b + 1) * bs))
             parent = seq.block_hashes[-1] if seq.block_hashes else None

@@ -171,3 +171,123 @@ def test_layers_streamed_under_a_memory_limit_give_the_same_tokens():
         streamed.shutdown(timeout=1)
     with pytest.raises(ValueError, match="too small even with every layer streamed"):
         LLM("llama-tiny", gpu_memory_limit=0.001, **kw)
+
+
+# ----------------------------------------------------------------------------- pipelined steps
+
+def _mixed_requests(tokenizer):
+    """Greedy and seeded sampling, stop strings, EOS, logprobs and penalties, in one batch."""
+    prompts = _prompts(tokenizer, [5, 30, 17, 64, 9, 120], seed=7)
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=11),
+              SamplingParams(max_tokens=24, temperature=0.7, top_k=20, seed=5, logprobs=3),
+              SamplingParams(max_tokens=12, temperature=0, stop=[" the", "\n"]),
+              SamplingParams(max_tokens=1, temperature=0),
+              SamplingParams(max_tokens=18, temperature=0, frequency_penalty=0.5, presence_penalty=0.3)]
+    return prompts, params
+
+
+def _summary(outs):
+    return [(o.token_ids, o.text, o.finish_reason,
+             [(lp.token_id, round(lp.logprob, 4), [t for t, _ in lp.top]) for lp in o.logprobs or []])
+            for o in outs]
+
+
+def test_overlapped_steps_give_what_serialised_steps_give(llm):
+    """The default engine reads each step's tokens one step late and feeds them to the next step
+    from the device; the same requests with overlap off must come out identical."""
+    prompts, params = _mixed_requests(llm.tokenizer)
+    serial = LLM("llama", device="cpu", dtype="fp32", overlap=False)
+    try:
+        want = _summary(serial.generate(prompts, params))
+    finally:
+        serial.shutdown(timeout=1)
+    assert llm.engine.config.overlap
+    # Twice: once with the penalised request in the batch (its steps serialise), once without.
+    assert _summary(llm.generate(prompts, params)) == want
+    assert _summary(llm.generate(prompts[:-1], params[:-1])) == want[:-1]
+    assert llm.metrics()["kv_blocks_used"] == 0
+
+
+def test_a_step_hands_out_the_tokens_of_the_step_before():
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    engine = Engine(EngineConfig(model="llama-tiny", device="cpu", dtype="fp32", kv_cache_tokens=1024))
+    got, aborted = [], []
+    engine.add_request("a", list(range(10, 30)), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+                       got.append)
+    engine.add_request("b", list(range(40, 50)), SamplingParams(max_tokens=50, temperature=0, ignore_eos=True),
+                       aborted.append)
+    assert engine.step() == 30 and got == []             # prefill queued; its tokens not read yet
+    assert engine.in_flight is not None
+    engine.step()                                        # decode queued, the prefill's tokens read
+    assert [c.completion_tokens for c in got] == [1]
+    engine.abort("b")                                    # while its next token is in flight
+    assert aborted[-1].finish_reason == "abort" and aborted[-1].completion_tokens == 1
+    engine.step()
+    assert len(got) == 2 and len(aborted) == 2           # nothing more for the aborted request
+    assert engine.step() == 0                            # "a" awaits its last token: nothing to run
+    assert [c.completion_tokens for c in got] == [1, 2, 3] and got[-1].finish_reason == "length"
+    assert not engine.has_work() and engine.kv_cache.pool.num_free == engine.kv_cache.pool.num_blocks
+
+
+@pytest.mark.gpu
+def test_gpu_step_loop_steady_state_never_synchronises():
+    """Under torch.cuda.set_sync_debug_mode("error") any hidden host-device synchronisation raises:
+    the pipelined step loop must run decode steps (CUDA graphs), prefills joining them and sampling
+    of every kind without one."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    engine = Engine(EngineConfig(model="llama-tiny", device="cuda", dtype="bf16", kv_cache_tokens=8192))
+    kinds = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+             SamplingParams(max_tokens=40, temperature=0.9, top_p=0.8, top_k=50, ignore_eos=True),
+             SamplingParams(max_tokens=40, temperature=0.7, seed=3, ignore_eos=True, logprobs=2)]
+    outs = {}
+    for i in range(12):
+        outs[f"r{i}"] = []
+        engine.add_request(f"r{i}", list(range(5 + i, 40 + 3 * i)), kinds[i % 3], outs[f"r{i}"].append)
+    for _ in range(6):              # prefills, first decodes, graph buckets and allocations warmed
+        engine.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(30):
+            if step == 10:          # a newcomer's prefill joins the running decodes
+                outs["late"] = []
+                engine.add_request("late", list(range(300, 377)), kinds[0], outs["late"].append)
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    while engine.has_work():
+        engine.step()
+    assert all(len([c for c in chunks if c.token_ids]) == 40 for chunks in outs.values())
+    assert engine.ring.host_waits == 0
+    assert engine.kv_cache.pool.num_free == engine.kv_cache.pool.num_blocks
+
+
+@pytest.mark.gpu
+def test_gpu_overlap_and_offload_give_the_same_tokens():
+    """fp32 on the GPU: pipelined steps, serialised steps and decoder layers streamed from pinned
+    host memory under a memory limit all give the same greedy and seeded tokens."""
+    from engine.streams import layer_stream_bytes
+    torch.backends.cuda.matmul.allow_tf32 = False
+    prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate([1, 5, 17, 40, 129, 300])]
+    params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0.8, seed=9, ignore_eos=True)] * 3
+    kw = {"device": "cuda", "dtype": "fp32", "kv_cache_tokens": 8192}
+    results, limit = [], None
+    for extra in ({}, {"overlap": False}, "offload"):
+        if extra == "offload":      # room for 3.5 of llama-tiny's 4 layers: 3 of them stream
+            extra = {"gpu_memory_limit": limit}
+        gpu = LLM("llama-tiny", **kw, **extra)
+        try:
+            e = gpu.engine
+            if limit is None:
+                base = e._non_layer_bytes() + 8192 * e._kv_bytes_per_token() + e._activation_reserve()
+                limit = (base + 3.5 * layer_stream_bytes(e.model.layers[0])) / 2**30
+            if "gpu_memory_limit" in extra:
+                assert e.streamer is not None and len(e.streamer.order) == 3
+            results.append([o.token_ids for o in gpu.generate(prompts, params)])
+        finally:
+            gpu.shutdown(timeout=1)
+    assert results[0] == results[1] == results[2]

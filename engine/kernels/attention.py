@@ -108,7 +108,9 @@ def prefill_attention_nested(q_nested, k_nested, v_nested, scale):
 
 def _repeat_heads(x, group):
     vals = x.values().repeat_interleave(group, dim=1)
-    return torch.nested.nested_tensor_from_jagged(vals, x.offsets())
+    # Keep the cached length bounds: recomputing them from the offsets would sync with the device.
+    return torch.nested.nested_tensor_from_jagged(vals, x.offsets(), min_seqlen=x._min_seqlen,
+                                                  max_seqlen=x._max_seqlen)
 
 
 # --------------------------------------------------------------------------------------------------

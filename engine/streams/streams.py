@@ -13,6 +13,7 @@ ordering the CUDA version relies on without a GPU.
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 
 import torch
 
@@ -89,14 +90,16 @@ class FakeStreams:
     """StepStreams' interface on the CPU, logging each operation in order.
 
     With `auto_complete=False` a recorded event stays pending until the test completes it, to check
-    that nothing reuses a buffer whose event has not fired.
+    that nothing reuses a buffer whose event has not fired. The engine on the CPU runs on these with
+    `keep_log=False`.
     """
 
     compute, h2d, d2h = "compute", "h2d", "d2h"
 
-    def __init__(self, auto_complete: bool = True):
+    def __init__(self, auto_complete: bool = True, keep_log: bool = True):
         self.device = torch.device("cpu")
-        self.log: list[tuple] = []
+        # A long-running CPU engine keeps no log (a deque of length 0 drops every entry).
+        self.log: list[tuple] | deque = [] if keep_log else deque(maxlen=0)
         self.events: list[FakeEvent] = []
         self.auto_complete = auto_complete
         self._current = self.compute
@@ -144,14 +147,14 @@ class FakeStreams:
 
 
 class Ticket:
-    """One step's sampled tokens on their way to pinned host memory."""
+    """One step's sampled tokens (and whatever else was sent with them) on their way to pinned host
+    memory."""
 
-    def __init__(self, readback: "TokenReadback", slot: int, step: int, nbytes: int, dtype, shape,
-                 source: torch.Tensor):
+    def __init__(self, readback: "TokenReadback", slot: int, step: int, parts, many: bool, source):
         self.readback, self.slot, self.step = readback, slot, step
-        self.nbytes, self.dtype, self.shape = nbytes, dtype, shape
-        # Holding the device tensor keeps the allocator from handing its memory to later compute
-        # work before the D2H copy has read it.
+        self.parts, self.many = parts, many     # (offset, nbytes, dtype, shape) per tensor sent
+        # Holding the device bytes keeps the allocator from handing their memory to later compute
+        # work before the D2H copy has read them.
         self._source = source
         self.read = False
 
@@ -159,14 +162,16 @@ class Ticket:
         """Whether the copy has landed (never blocks)."""
         return self.readback.events[self.slot].query()
 
-    def result(self) -> torch.Tensor:
-        """The tokens, in pinned host memory. Waits for this copy's event only. The view stays valid
-        until this slot is sent again (`num_slots` steps later): take what you need from it."""
+    def result(self):
+        """What was sent, in pinned host memory: a tensor, or a list if a list was sent. Waits for
+        this copy's event only. The views stay valid until this slot is sent again (`num_slots`
+        steps later): take what you need from them."""
         self.readback.events[self.slot].synchronize()
         self._source = None
         self.read = True
         buf = self.readback.host[self.slot]
-        return buf[:self.nbytes].view(self.dtype).view(self.shape)
+        out = [buf[off:off + n].view(dtype).view(shape) for off, n, dtype, shape in self.parts]
+        return out if self.many else out[0]
 
 
 class TokenReadback:
@@ -175,7 +180,7 @@ class TokenReadback:
     `send(tokens)` (tokens made on the compute stream) queues: D2H waits for the compute event,
     copies into the next pinned slot, records the slot's event; it returns at once with a Ticket.
     The host reads the ticket once the next step is queued. A slot is sent again only after its
-    previous ticket was read.
+    previous ticket was read. `send([tokens, logprobs, ...])` packs several tensors into one copy.
     """
 
     def __init__(self, streams, num_slots: int = 2, capacity_bytes: int = 4096):
@@ -186,21 +191,30 @@ class TokenReadback:
         self.tickets: list[Ticket | None] = [None] * num_slots
         self.step = 0
 
-    def send(self, tokens: torch.Tensor) -> Ticket:
+    def send(self, tensors) -> Ticket:
         s, i = self.streams, self.step % self.num_slots
         previous = self.tickets[i]
         if previous is not None and not previous.read:
             raise RuntimeError(f"TokenReadback: step {previous.step}'s tokens were never read; read "
                                f"each ticket before sending {self.num_slots} more steps")
-        tokens = tokens.contiguous()
-        nbytes = tokens.numel() * tokens.element_size()
-        if nbytes > self.host[i].numel():
+        many = isinstance(tensors, (list, tuple))
+        parts, pieces, offset = [], [], 0
+        for t in tensors if many else [tensors]:
+            raw = t.contiguous().view(-1).view(torch.uint8)
+            pad = (-raw.numel()) % 8            # every part starts 8-byte aligned
+            parts.append((offset, raw.numel(), t.dtype, tuple(t.shape)))
+            pieces += [raw, raw.new_zeros(pad)] if pad else [raw]
+            offset += raw.numel() + pad
+        with s.on(s.compute):
+            # One copy however many parts (the concatenation is one small kernel on the compute stream).
+            source = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        if offset > self.host[i].numel():
             # The slot's last copy was read, so its old buffer is free to drop.
-            self.host[i] = s.host_empty(align(2 * nbytes))
+            self.host[i] = s.host_empty(align(2 * offset))
         s.record(self.computed, s.compute)
         s.wait(s.d2h, self.computed)
-        s.copy(self.host[i][:nbytes], tokens.view(-1).view(torch.uint8), s.d2h, f"tokens{self.step}")
+        s.copy(self.host[i][:offset], source, s.d2h, f"tokens{self.step}")
         s.record(self.events[i], s.d2h)
-        self.tickets[i] = ticket = Ticket(self, i, self.step, nbytes, tokens.dtype, tokens.shape, tokens)
+        self.tickets[i] = ticket = Ticket(self, i, self.step, parts, many, source)
         self.step += 1
         return ticket
