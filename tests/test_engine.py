@@ -291,3 +291,31 @@ def test_gpu_overlap_and_offload_give_the_same_tokens():
         finally:
             gpu.shutdown(timeout=1)
     assert results[0] == results[1] == results[2]
+
+
+def test_engine_reads_each_steps_tokens_after_queuing_the_next():
+    """The engine's own step loop on logging fake streams: step N+1's upload and compute are queued
+    before the host waits for step N's tokens, and that wait is the host's only one."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.memory.host_ring import PinnedRing
+    from engine.streams import FakeStreams, TokenReadback
+    engine = Engine(EngineConfig(model="llama-tiny", device="cpu", dtype="fp32", kv_cache_tokens=1024))
+    s = engine.streams = FakeStreams()
+    engine.ring, engine.readback = PinnedRing(3, 1 << 12, s), TokenReadback(s, num_slots=2)
+    out = []
+    engine.add_request("a", list(range(10, 40)), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                       out.append)
+    while engine.has_work():
+        s.log.append(("step",))
+        engine.step()
+    assert [c.completion_tokens for c in out] == [1, 2, 3, 4, 5, 6]
+    steps = [i for i, e in enumerate(s.log) if e == ("step",)]
+    for n in range(1, 6):           # the step call that queues step n reads step n - 1's tokens
+        part = s.log[steps[n]:steps[n + 1]]
+        kinds = [e[0] for e in part]
+        assert kinds.count("host_wait") == 1
+        wait = kinds.index("host_wait")
+        assert part[wait] == ("host_wait", f"d2h{(n - 1) % 2}")
+        assert ("copy", "h2d", f"inputs{n % 3}") in part[:wait]      # step n's inputs went up first
+        assert ("copy", "d2h", f"tokens{n}") in part[:wait]          # and its tokens were sent
