@@ -132,6 +132,8 @@ class Engine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        # Non-blocking CUDA streams on the GPU; on the CPU the same plumbing runs on no-op streams.
+        self.streams = StepStreams(self.device) if self.device.type == "cuda" else FakeStreams(keep_log=False)
         # A process-wide switch: engines in one process share the setting of the last one built.
         set_fused_kernels(config.fused_kernels)
         loaded = models.loader.load_model(config.model, self.device, self.dtype, seed=config.seed,
@@ -144,8 +146,6 @@ class Engine:
                 windows = calibration_windows(self.tokenizer)
                 norms = input_channel_norms(self.model, lambda: self.hidden_states(windows, check=False))
             convert_model(self.model, config.weights, config.sparse_ffn, norms)
-        # Non-blocking CUDA streams on the GPU; on the CPU the same plumbing runs on no-op streams.
-        self.streams = StepStreams(self.device) if self.device.type == "cuda" else FakeStreams(keep_log=False)
         self.streamer = None
         if config.gpu_memory_limit is not None or config.offload:
             self.streamer = self._stream_layers()
@@ -415,11 +415,16 @@ class Engine:
             if not toks or len(toks) > self.max_model_len:
                 raise ValueError(f"input: each sequence needs 1..{self.max_model_len} tokens "
                                  f"(got {len(toks)})")
-        s = self.streams
-        with s.on(s.compute):       # ordered after the steps (streamed layers rely on it)
-            batch = build_prefill_only(token_lists, self.device)
-            hidden = self.model(batch.input_ids, batch.positions, batch)
-            return list(hidden.split([len(t) for t in token_lists]))
+        # Runs on the caller's current stream (its results are used there), ordered after the steps
+        # queued so far and before the ones queued later: streamed layers' buffers rely on that.
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.streams.compute)
+        batch = build_prefill_only(token_lists, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, batch)
+        if cuda:
+            self.streams.compute.wait_stream(torch.cuda.current_stream(self.device))
+        return list(hidden.split([len(t) for t in token_lists]))
 
     def metrics(self) -> dict:
         pool, s = self.kv_cache.pool, self.stats
