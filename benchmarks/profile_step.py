@@ -1,0 +1,74 @@
+"""Where one engine step's GPU time goes: the top kernels of a profiled prefill or decode step.
+
+    python benchmarks/profile_step.py --model llama-3.1-8b --weights fp8 --prefill 4x2048
+    python benchmarks/profile_step.py --model llama-3.1-8b --decode 64
+
+Builds the engine (random weights for presets), runs the step once to warm up (compilation,
+autotuning), then profiles the same step again with torch.profiler and prints the CUDA kernels
+that took the most time, with their share of the step.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+
+
+def run(engine: Engine, requests) -> None:
+    for rid, ids, params in requests:
+        engine.add_request(rid, ids, params, lambda chunk: None)
+    while engine.has_work():
+        engine.step()
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--weights", default="bf16")
+    ap.add_argument("--sparse-ffn", default=None)
+    ap.add_argument("--prefill", default="4x2048", help="SEQSxLEN prompts, one prefill step")
+    ap.add_argument("--decode", type=int, default=0, help="profile decode steps at this batch instead")
+    ap.add_argument("--top", type=int, default=15)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("profile_step.py profiles CUDA kernels: it needs a GPU")
+    seqs, length = (int(v) for v in args.prefill.split("x"))
+    engine = Engine(EngineConfig(model=args.model, weights=args.weights, sparse_ffn=args.sparse_ffn,
+                                 kv_cache_tokens=65536, max_num_batched_tokens=max(8192, seqs * length)))
+    g = torch.Generator().manual_seed(0)
+
+    def requests(tag, n, max_tokens):
+        return [(f"{tag}{i}", torch.randint(100, 30000, (length,), generator=g).tolist(),
+                 SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, detokenize=False))
+                for i in range(n)]
+    if args.decode:
+        what = f"{args.decode} decode steps of batch {args.decode}"
+        todo = lambda tag: requests(tag, args.decode, 16)   # noqa: E731
+    else:
+        what = f"prefill of {seqs} x {length} tokens"
+        todo = lambda tag: requests(tag, seqs, 1)   # noqa: E731
+    run(engine, todo("warm"))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run(engine, todo("prof"))
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in events) or 1
+    print(f"# {args.model} weights={args.weights} sparse_ffn={args.sparse_ffn}: {what}; "
+          f"GPU time {total / 1e3:.1f} ms")
+    print("| kernel | calls | ms | share |\n|---|---:|---:|---:|")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:args.top]:
+        print(f"| {e.key[:90]} | {e.count} | {e.self_device_time_total / 1e3:.2f} "
+              f"| {100 * e.self_device_time_total / total:.1f}% |")
+
+
+if __name__ == "__main__":
+    main()
