@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import gzip
 import json
 import os
 import random
@@ -233,6 +234,12 @@ def trace_offload(engine, rng, vocab, out_dir, cuda=True, num_steps=3):
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     os.remove(path)
+    keep = [{k: e.get(k) for k in ("ph", "cat", "name", "ts", "dur")} | {"args": {"stream": e.get("args", {}).get("stream")}}
+            for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    for e in keep:
+        e["name"] = e["name"][:60]
+    with gzip.open(os.path.join(out_dir, "offload_trace_gpu.json.gz"), "wt") as f:
+        json.dump(keep, f)                  # redraw with timeline_png without the GPU
     info = timeline_png(events, os.path.join(out_dir, "offload_timeline.png"),
                         f"{num_steps} decode steps, llama-3.1-8b shapes, half the layers streamed "
                         "from pinned host memory (batch 1)")
@@ -308,10 +315,9 @@ def timeline_png(events, path, title):
                                linewidth=0.4 if k == "H2D copy" else 0)
     handles, names_ = ax.get_legend_handles_labels()
     uniq = dict(zip(names_, handles))
-    ax.legend(uniq.values(), uniq.keys(), loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7,
-              ncol=len(uniq), frameon=False)
+    ax.legend(uniq.values(), uniq.keys(), loc="lower right", fontsize=7, ncol=len(uniq), framealpha=0.9)
     ax.set_yticks(range(len(rows)), labels, fontsize=7)
-    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_ylim(len(rows) - 0.2 + (0.5 if len(rows) < 3 else 0), -0.5)
     ax.set_xlabel("ms", fontsize=8)
     ax.tick_params(axis="x", labelsize=7)
     ax.set_title(title, fontsize=8, loc="left")
@@ -392,12 +398,16 @@ def alloc_engine(backend, release, graphs):
         rng = random.Random(3)
         vocab = min(engine.model_config.vocab_size, 49152)
 
-        def requests(tag, n):
-            return [(f"{tag}{i}", random_prompt(rng, rng.randint(32, 256), vocab),
-                     SamplingParams(max_tokens=rng.randint(16, 160), temperature=0, ignore_eos=True,
-                                    detokenize=False)) for i in range(n)]
-        run_to_completion(engine, requests("w", 8))          # warm-up
-        reqs = requests("r", 64)
+        shapes = [(rng.randint(32, 256), rng.randint(16, 160)) for _ in range(64)]
+
+        def requests(tag):      # fresh prompt tokens each time: no prefix-cache hits
+            return [(f"{tag}{i}", random_prompt(rng, n_in, vocab), SamplingParams(
+                max_tokens=n_out, temperature=0, ignore_eos=True, detokenize=False))
+                for i, (n_in, n_out) in enumerate(shapes)]
+        # Warm-up on the very same shapes: Triton compiles (and caches on disk, where the next
+        # process finds them) and autotunes per shape, which must not land in one backend's time.
+        run_to_completion(engine, requests("w"))
+        reqs = requests("r")
         torch.cuda.synchronize()
         steps = engine.stats["steps"]
         t = time.perf_counter()
@@ -445,8 +455,11 @@ def bench_allocators(results, timeout):
         row = {"backend": backend, "release": release, "exit": rc, "seconds": time.perf_counter() - t,
                "parts": parts}
         row["stderr_tail"] = stderr[-2500:]
+        keys = ("Error", "error", "Warning:", "uncaptured", "terminate", "what()")
+        row["stderr_errors"] = [ln[:400] for ln in stderr.splitlines() if any(k in ln for k in keys)][:12]
         if rc != 0 or len(parts) < 3:
-            log(f"[alloc] {backend} {release}: exit {rc}, {len(parts)} of 3 parts; stderr tail:\n{stderr[-1500:]}")
+            shown = "\n".join(row["stderr_errors"]) or stderr[-1500:]
+            log(f"[alloc] {backend} {release}: exit {rc}, {len(parts)} of 3 parts; stderr:\n{shown}")
         for part in parts:
             if part["part"] == "mlp":
                 g, v = part["growing"], part["varying"]
