@@ -9,7 +9,9 @@ the same run; TFLOP/s next to bf16 cuBLAS at 8192^3, measured here too.
 Timing: each variant is captured in a CUDA graph that calls it once per weight copy, rotating over
 enough copies to exceed 2x L2, so every call reads its weights from HBM and launch gaps vanish;
 the median of 20 replays, divided by the calls per replay. Usage: python benchmarks/bench_nvfp4.py
-[--quick] [--sweep]  (--sweep also times other Triton configurations at M = 1 and 16).
+[--quick] [--decode] [--sweep]: --decode times M = 1 and 16 only (the decode kernel, the tile
+kernel it replaced, bf16 cuBLAS, fp8 _scaled_mm; no CuTe DSL); --sweep also times other
+configurations of the decode kernel at M = 1 and 16.
 """
 from __future__ import annotations
 
@@ -21,7 +23,6 @@ import torch.nn.functional as F
 
 from engine.kernels import nvfp4 as nv
 from engine.kernels import nvfp4_decode as dec
-from engine.kernels.cute.nvfp4_sm90 import nvfp4_gemm_sm90
 
 SHAPES = [(6144, 4096), (28672, 4096), (4096, 14336)]  # qkv, gate+up, down of Llama-3.1-8B
 MS = [1, 16, 128, 1024, 8192]
@@ -93,15 +94,16 @@ def check(name, out, ref, tol=1e-2):
     return err
 
 
-SWEEP = [  # (BLOCK_N, BLOCK_K, num_warps, num_stages) at BLOCK_M = 16
-    (32, 256, 4, 4), (32, 256, 2, 4), (32, 128, 4, 6), (64, 256, 4, 4), (64, 256, 8, 4),
-    (64, 128, 4, 4), (128, 256, 8, 4)]
+SWEEP = [  # decode kernel: (BLOCK_N, BLOCK_K, words per thread, num_warps, num_stages)
+    (64, 128, 2, 4, 6), (64, 256, 2, 4, 4), (64, 256, 4, 4, 4), (128, 256, 2, 4, 3),
+    (128, 256, 4, 8, 4), (128, 512, 4, 8, 3)]
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="one shape, M in {1, 1024}")
-    parser.add_argument("--sweep", action="store_true", help="time other Triton configs")
+    parser.add_argument("--decode", action="store_true", help="M in {1, 16}, Triton and cuBLAS only")
+    parser.add_argument("--sweep", action="store_true", help="time other decode-kernel configs")
     args = parser.parse_args()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
@@ -113,7 +115,7 @@ def main():
           f"torch {torch.__version__}")
     print(f"HBM copy 1 GiB (read+write): copy_ {copy_eager:.0f} GB/s, elementwise kernel "
           f"{copy_kernel:.0f} GB/s; bf16 cuBLAS 8192^3 {peak_tflops:.0f} TFLOP/s")
-    shapes, ms = (SHAPES[:1], [1, 1024]) if args.quick else (SHAPES, MS)
+    shapes, ms = (SHAPES[:1], [1, 1024]) if args.quick else (SHAPES, [1, 16] if args.decode else MS)
     rows, sweep_rows = [], []
     for n, k in shapes:
         w_dense = torch.randn(n, k, device="cuda") * 0.02
@@ -145,13 +147,20 @@ def main():
                              flops / t_us / 1e6, err))
 
             measure("nvfp4 Triton", lambda i: dec.nvfp4_matmul(x, qs[i]), copies_q, w_q.nbytes, ref)
-            measure("nvfp4 CuTe sm90",
-                    lambda i: nvfp4_gemm_sm90(x, qs[i].packed, qs[i].block_scale,
-                                              qs[i].tensor_scale),
-                    copies_q, w_q.nbytes, ref)
-            measure("nvfp4 dequant+cuBLAS",
-                    lambda i: F.linear(x, dec.dequantize_bf16(qs[i])), copies_q,
-                    w_q.nbytes + 2 * n * k * 2, ref)
+            if m <= dec.SMALL_M:  # the tile kernel, which ran decode before the decode kernel
+                tile_cfg = dec.matmul_config(m, n, k, props.multi_processor_count)
+                measure("nvfp4 Triton tile",
+                        lambda i: dec.nvfp4_matmul(x, qs[i], config=tile_cfg), copies_q,
+                        w_q.nbytes, ref)
+            if not args.decode:
+                from engine.kernels.cute.nvfp4_sm90 import nvfp4_gemm_sm90
+                measure("nvfp4 CuTe sm90",
+                        lambda i: nvfp4_gemm_sm90(x, qs[i].packed, qs[i].block_scale,
+                                                  qs[i].tensor_scale),
+                        copies_q, w_q.nbytes, ref)
+                measure("nvfp4 dequant+cuBLAS",
+                        lambda i: F.linear(x, dec.dequantize_bf16(qs[i])), copies_q,
+                        w_q.nbytes + 2 * n * k * 2, ref)
             measure("bf16 cuBLAS", lambda i: F.linear(x, bs[i]), copies_b, n * k * 2, ref_bf16)
             x_scale = x.float().abs().amax() / 448
             x_fp8 = (x.float() / x_scale).to(torch.float8_e4m3fn)
@@ -164,29 +173,30 @@ def main():
             except RuntimeError as e:  # cuBLASLt fp8 may want M % 16 == 0
                 print(f"fp8 _scaled_mm N={n} K={k} M={m}: not run ({str(e).splitlines()[0][:80]})")
             if args.sweep and m in (1, 16):
-                for block_n, block_k, warps, stages in SWEEP:
+                for block_n, block_k, wpt, warps, stages in SWEEP:
                     for split in (1, 2, 4, 8):
                         steps = k // block_k
                         if steps % split or steps < 2 * split:
                             continue
-                        cfg = dec.matmul_config(m, n, k, props.multi_processor_count,
-                                                block_n=block_n, block_k=block_k, num_warps=warps,
-                                                num_stages=stages, split_k=split)
+                        cfg = dec.small_m_config(m, n, k, props.multi_processor_count,
+                                                 block_n=block_n, block_k=block_k,
+                                                 words_per_thread=wpt, num_warps=warps,
+                                                 num_stages=stages, split_k=split)
                         check("sweep", dec.nvfp4_matmul(x, w_q, config=cfg), ref)
                         t = graph_time_us(lambda i: dec.nvfp4_matmul(x, qs[i], config=cfg),
                                           copies_q)
                         gbs = (w_q.nbytes + act_out_bytes) / t / 1e3
-                        sweep_rows.append((n, k, m, block_n, block_k, warps, stages, split, t,
-                                           gbs / copy_gbs))
+                        sweep_rows.append((n, k, m, block_n, block_k, wpt, warps, stages, split,
+                                           t, gbs / copy_gbs))
         del qs, bs, fs, dq_ref
         torch.cuda.empty_cache()
 
     if sweep_rows:
-        print("\nTriton NVFP4 kernel configurations (BLOCK_M = 16)")
-        print("| N | K | M | BLOCK_N | BLOCK_K | warps | stages | SPLIT_K | us | of copy BW |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("\nNVFP4 decode kernel configurations (BLOCK_M = 16)")
+        print("| N | K | M | BLOCK_N | BLOCK_K | words/thread | warps | stages | SPLIT_K | us | of copy BW |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in sweep_rows:
-            print("| " + " | ".join(str(v) for v in r[:8]) + f" | {r[8]:.1f} | {r[9]:.0%} |")
+            print("| " + " | ".join(str(v) for v in r[:9]) + f" | {r[9]:.1f} | {r[10]:.0%} |")
     print(f"\nceilings: HBM copy {copy_gbs:.0f} GB/s (read+write), bf16 {peak_tflops:.0f} TFLOP/s; "
           "bytes = weights as stored + x + y (dequant+cuBLAS also counts its bf16 write and read)")
     print("| N | K | M | variant | us | MB moved | GB/s | of copy BW | TFLOP/s | rel err |")
@@ -195,12 +205,14 @@ def main():
         print(f"| {n} | {k} | {m} | {variant} | {t:.1f} | {nbytes / 1e6:.1f} | {gbs:.0f} | "
               f"{frac:.0%} | {tflops:.1f} | {err:.1e} |")
     by_key = {(n, k, m, v): t for n, k, m, v, t, *_ in rows}
-    for variant in ("nvfp4 Triton", "nvfp4 CuTe sm90", "nvfp4 dequant+cuBLAS"):
+    for variant in ("nvfp4 Triton", "nvfp4 Triton tile", "nvfp4 CuTe sm90", "nvfp4 dequant+cuBLAS"):
+        if not any(key[3] == variant for key in by_key):
+            continue
         print(f"\nspeed-up of {variant} over bf16 cuBLAS")
         for n, k in shapes:
             print(f"N={n} K={k}: " + ", ".join(
                 f"M={m} {by_key[(n, k, m, 'bf16 cuBLAS')] / by_key[(n, k, m, variant)]:.2f}x"
-                for m in ms))
+                for m in ms if (n, k, m, variant) in by_key))
 
 
 if __name__ == "__main__":

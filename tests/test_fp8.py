@@ -131,17 +131,20 @@ def test_small_m_kernel_in_triton_interpreter():
         import torch
         from engine.kernels import fp8
         torch.manual_seed(0)
-        for m, n, k, split in [(1, 64, 512, 1), (5, 128, 1024, 2), (16, 64, 576, 1)]:
+        for m, n, k, split in [(1, 64, 512, 1), (5, 128, 1024, 2), (16, 64, 576, 1), (16, 48, 1024, 4),
+                               (16, 48, 1024, 4)]:
             qx, xs = fp8.quantize_rows_fp8(torch.randn(m, k))
             qw, ws = fp8.quantize_weight_fp8(torch.randn(n, k))
             res = torch.randn(m, n).bfloat16()
-            y = fp8.fp8_gemm_small_m(qx, xs, qw, ws, residual=res, split=split)
+            y = torch.full((m, n), float("nan")).bfloat16()
+            fp8.fp8_gemm_small_m(qx, xs, qw, ws, residual=res, split=split, out=y)
             ref = fp8.fp8_linear_reference(qx, xs, qw, ws, residual=res, out_dtype=torch.float64)
             print(m, n, k, split, ((y.double() - ref).norm() / ref.norm()).item())
     """, {"TRITON_INTERPRET": "1"})
     errs = [float(line.split()[-1]) for line in out.strip().splitlines()]
     # The interpreter truncates fp32 -> bf16 (the GPU rounds to nearest): allow twice the rounding.
-    assert len(errs) == 3 and all(e < 2 * BF16_ROUNDING for e in errs), out
+    # (The last case repeats the one before it: split-K scratch must be back at zero.)
+    assert len(errs) == 5 and all(e < 2 * BF16_ROUNDING for e in errs), out
 
 
 def test_custom_ops_have_fake_kernels():
@@ -159,11 +162,15 @@ def test_custom_ops_have_fake_kernels():
 
 
 def test_small_m_split_choice():
-    assert fp8.small_m_config(28672, 4096, 132) == (64, 128, 1)
-    assert fp8.small_m_config(6144, 4096, 132) == (16, 512, 1)
-    assert fp8.small_m_config(4096, 14336, 132) == (16, 512, 1)
-    assert fp8.small_m_config(1024, 4096, 132) == (16, 512, 4)  # too few rows: split K
-    assert fp8.small_m_config(576, 576, 132) == (16, 64, 1)
+    def tile(n, k):
+        c = fp8.small_m_config(n, k, 132)
+        return c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"], c["num_stages"]
+    assert tile(28672, 4096) == (64, 256, 1, 4)   # 448 tiles: no split, 4 stages
+    assert tile(6144, 4096) == (64, 256, 1, 6)    # 96 tiles: deeper pipeline, still no split
+    assert tile(4096, 14336) == (64, 256, 4, 4)   # 64 tiles: split K four ways
+    assert tile(1024, 4096) == (64, 256, 2, 4)    # too few rows, but K/2 = 2048 is the floor
+    assert tile(576, 576) == (64, 64, 1, 6)
+    assert tile(1040, 576)[0] == 16
 
 
 # ------------------------------------------------------------------------------ CuTe DSL compiles (CPU)
@@ -305,7 +312,8 @@ def test_small_m_kernel_matches_float64(m):
     for j, (n, k) in enumerate(LLAMA_NK[:3] + [(576, 576)]):
         qx, xs, qw, ws = gpu_operands(m, n, k, seed=100 + m * 10 + j)
         res = torch.randn(m, n, device="cuda").bfloat16() if j % 2 else None
-        for split in (None, 2) if k % 2048 == 0 else (None,):
+        # Each split twice: the split-K accumulator and counters must be back at zero.
+        for split in (None, 2, 2, 4, 4, 8) if k % 2048 == 0 else (None,):
             check_kernel(lambda out: fp8.fp8_gemm_small_m(qx, xs, qw, ws, res, split=split, out=out),
                          qx, xs, qw, ws, res)
 

@@ -156,6 +156,98 @@ def test_triton_matmul_small(m, n, k, config):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("m,n,k,config", [
+    (1, 64, 64, None),
+    (16, 200, 576, None),  # K = 9 x 64, N tail
+    (5, 100, 512, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, WPT=2, SPLIT_K=2, num_warps=4,
+                       num_stages=1)),
+    (3, 64, 1024, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, WPT=1, SPLIT_K=4, num_warps=4,
+                       num_stages=1)),
+    (16, 70, 512, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, WPT=4, SPLIT_K=1, num_warps=4,
+                       num_stages=1)),
+])
+def test_triton_decode_kernel_small(m, n, k, config):
+    # The decode kernel's logical K order and split-K reduction, through the interpreter's
+    # arithmetic decode (the PTX decode is checked against that decode below, and on the GPU).
+    from engine.kernels.nvfp4_decode import nvfp4_matmul
+    w = nv.quantize(torch.randn(n, k) * torch.rand(n, 1))
+    ref = None
+    for _ in range(2):  # twice: the split-K accumulator and counters must be back at zero
+        x = torch.randn(m, k).bfloat16()
+        out = torch.full((m, n), float("nan"))
+        nvfp4_matmul(x, w, config=config, out=out)
+        ref = x.double() @ nv.dequantize(w).double().t()
+        assert not out.isnan().any()
+        assert rel_err(out, ref) < 1e-5
+
+
+def _bf16_bits_to_float(bits: int) -> float:
+    import struct
+    return struct.unpack("<f", struct.pack("<I", (bits & 0xFFFF) << 16))[0]
+
+
+def _run_decode_ptx(ptx: str, operands: dict) -> dict:
+    """Execute the decode PTX's four instruction kinds (and, mul.lo, shr, mul.rn.bf16x2) in Python.
+    bf16 products are computed exactly (they are exact on the GPU: <= 5 significant bits)."""
+    import re
+    import struct
+    regs = dict(operands)
+    for line in ptx.splitlines():
+        m = re.match(r"(\S+) (\S+), (\S+), (\S+);", line.strip())
+        if not m:
+            continue
+        op, d, a, b = m.groups()
+        va = regs[a] if a in regs else int(a, 16)
+        vb = regs[b] if b in regs else int(b, 16)
+        if op == "and.b32":
+            regs[d] = va & vb
+        elif op == "mul.lo.u32":
+            regs[d] = (va * vb) & 0xFFFFFFFF
+        elif op == "shr.u32":
+            regs[d] = va >> int(b)
+        elif op == "mul.rn.bf16x2":
+            lanes = []
+            for shift in (0, 16):
+                prod = _bf16_bits_to_float(va >> shift) * _bf16_bits_to_float(vb >> shift)
+                f32 = struct.unpack("<I", struct.pack("<f", prod))[0]
+                assert f32 & 0xFFFF == 0, "inexact bf16 product"
+                lanes.append(f32 >> 16)
+            regs[d] = lanes[0] | lanes[1] << 16
+        else:
+            raise AssertionError(f"unmodelled instruction {op}")
+    return regs
+
+
+def test_decode_ptx_matches_arithmetic_decode():
+    # The PTX decode (modelled instruction by instruction above) against the element order the
+    # interpreter path uses: register (r8, h, b) lane p of a thread's fragment holds nibble
+    # h + 2b + 4p of its row's word, times the block scale x 2^-8 (bf16 exact, any e4m3 scale).
+    from engine.kernels.nvfp4_decode import _decode_ptx
+    ptx = _decode_ptx()
+    codes = torch.arange(16, dtype=torch.uint8)
+    for trial in range(64):
+        nibbles = [int(c) for c in codes[torch.randperm(16)][:8]] if trial else list(range(8))
+        word = sum(c << (4 * i) for i, c in enumerate(nibbles))
+        word8 = int(torch.randint(0, 2**32, ()).item())
+        scales = [float(v) for v in nv.E2M1_MAGNITUDES[1:]] + [2.0 ** -9, 448.0, 0.0]
+        s0, s8 = (torch.tensor(scales)[torch.randint(0, len(scales), (2,))] *
+                  torch.tensor(2.0 ** 118)).bfloat16().view(torch.int16).int().tolist()
+        operands = {f"${i}": 0 for i in range(40)}
+        operands.update({"$8": word, "$10": word8, "$24": (s0 & 0xFFFF) * 0x10001,
+                         "$26": (s8 & 0xFFFF) * 0x10001})
+        regs = _run_decode_ptx(ptx, operands)
+        for r8, w_, s in ((0, word, s0), (1, word8, s8)):
+            scale = _bf16_bits_to_float(s) * 2.0 ** -118
+            for h in (0, 1):
+                for b in (0, 1):
+                    for p in (0, 1):
+                        got = _bf16_bits_to_float(regs[f"${r8 + 2 * h + 4 * b}"] >> (16 * p))
+                        code = (w_ >> (4 * (h + 2 * b + 4 * p))) & 0xF
+                        want = float(nv.e2m1_decode(torch.tensor([code], dtype=torch.uint8)))
+                        assert got == want * scale * 2.0 ** -8, (trial, r8, h, b, p, code)
+
+
+@pytest.mark.interpreter
 def test_triton_dequantize_small():
     from engine.kernels.nvfp4_decode import dequantize_bf16
     w = nv.quantize(torch.randn(70, 320)).to(DEVICE)
@@ -241,6 +333,30 @@ def test_gpu_matmul_llama_shapes(n, k):
             assert not out.isnan().any(), (m, out_dtype)
             err = rel_err(out, ref)
             assert err < tol, (m, out_dtype, err)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_kernel_configs_and_tails():
+    # Random N (tails) and M <= 16, every words-per-thread, split-K up to 8, each config twice (the
+    # split-K accumulator must be back at zero), output poisoned first.
+    from engine.kernels.nvfp4_decode import nvfp4_matmul, small_m_config
+    torch.manual_seed(1)
+    for n, k in [(int(torch.randint(65, 3000, ())), 4096), (4096, 14336), (300, 576)]:
+        w = nv.quantize(torch.randn(n, k, device="cuda") * 0.02)
+        dq = nv.dequantize(w).double()
+        configs = [None] + [small_m_config(1, n, k, 132, block_n=bn, block_k=bk,
+                                           words_per_thread=wpt, split_k=split)
+                            for bn, bk, wpt, split in [(64, 256, 1, 2), (128, 256, 2, 8),
+                                                       (64, 128, 4, 4), (128, 512, 4, 1)]
+                            if k % (bk * split) == 0 and bk >= 32 * wpt]
+        for config in configs:
+            for m in (1, int(torch.randint(2, 16, ())), 16):
+                for _ in range(2):
+                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float32)
+                    nvfp4_matmul(x, w, config=config, out=out)
+                    assert not out.isnan().any(), (n, k, m, config)
+                    assert rel_err(out, x.double() @ dq.t()) < 1e-5, (n, k, m, config)
 
 
 @pytest.mark.gpu

@@ -5,9 +5,10 @@ its largest magnitude lands on e4m3's largest finite value (448); fp32 scales; f
 bf16 output. y[m, n] = sum_k qx[m, k] qw[n, k] * x_scale[m] * w_scale[n] (+ residual[m, n]).
 
 Dispatch (`fp8_linear`), on Hopper CUDA tensors:
-- M <= SMALL_M: a Triton weight-streaming kernel (decode is bound by reading the weight once): narrow
-  weight tiles, autotuned per shape, so that every SM streams; K is split (plus a reduction pass)
-  only when N is too small to give every SM its own rows;
+- M <= SMALL_M: a Triton weight-streaming kernel (decode is bound by reading the weight once): the
+  weight tile is the A operand of an e4m3 x e4m3 WGMMA read straight from shared memory (no
+  conversion instruction per weight byte), 64-row tiles; K is split only when N gives fewer than
+  half a tile per SM, and the split's partial sums are reduced in the same launch;
 - larger M: the CuTe DSL WGMMA kernel in engine/kernels/cute/fp8_gemm_sm90.py;
 - anywhere else (CPU, other GPUs, shapes the kernels do not take): the reference, which dequantises
   to fp32 and multiplies.
@@ -15,7 +16,6 @@ Dispatch (`fp8_linear`), on Hopper CUDA tensors:
 from __future__ import annotations
 
 import functools
-import math
 import os
 from typing import Optional
 
@@ -148,69 +148,63 @@ def _triton_kernels():
             q = tl.clamp(v / scale, -448.0, 448.0)
             tl.store(q_ptr + row * K + offs, q.to(tl.float8e4nv), mask=offs < K)
 
-    # M is not specialised: Triton would otherwise compile (and tune) M == 1 separately.
+    # M is not specialised: one binary for every decode batch size.
     @triton.jit(do_not_specialize=["M"])
-    def small_m_kernel(qx_ptr, xs_ptr, qw_ptr, ws_ptr, res_ptr, out_ptr, part_ptr, M, N, K,
-                       K_PER_SPLIT, HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # acc[BLOCK_N, BLOCK_M] = W_tile @ X_tile^T: the weight rows sit on the MMA's M side, so the
-        # weight tile feeds the tensor cores even when the batch is a single token. fp8
-        # values are exact in fp16 (one cvt per pair on sm_90), so the fp16 MMA computes the fp8
-        # products exactly.
+    def stream_kernel(qx_ptr, xs_ptr, qw_ptr, ws_ptr, res_ptr, out_ptr, acc_ptr, count_ptr, M, N,
+                      K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      FP8_DOT: tl.constexpr):
+        # acc[BLOCK_N, BLOCK_M] = W_tile @ X_tile^T: the weight rows sit on the MMA's M side, so
+        # the weight tile is the A operand even for one token. FP8_DOT: e4m3 x e4m3 WGMMA straight
+        # from shared memory (no conversion instructions at all), each BLOCK_K-deep product added
+        # into an fp32 sum (Hopper's fp8 MMA accumulates at reduced precision within one); else
+        # both operands widened to fp16 (exact) for an fp16 MMA.
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
+        K_SPLIT: tl.constexpr = K // SPLIT_K
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
-        offs_k = tl.arange(0, BLOCK_K)
-        k_start = pid_k * K_PER_SPLIT
-        w_ptrs = qw_ptr + offs_n[:, None].to(tl.int64) * K + (k_start + offs_k)[None, :]
-        x_ptrs = qx_ptr + offs_m[:, None] * K + (k_start + offs_k)[None, :]
+        offs_k = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
+        w_ptrs = qw_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
+        x_ptrs = qx_ptr + offs_m[:, None] * K + offs_k[None, :]
+        m_mask = offs_m[:, None] < M
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for _ in range(0, K_PER_SPLIT, BLOCK_K):
-            w = tl.load(w_ptrs, eviction_policy="evict_first").to(tl.float16)
-            xt = tl.load(x_ptrs, mask=offs_m[:, None] < M, other=0.0).to(tl.float16)
-            acc = tl.dot(w, tl.trans(xt), acc)
+        for _ in range(0, K_SPLIT, BLOCK_K):
+            w = tl.load(w_ptrs)
+            xt = tl.trans(tl.load(x_ptrs, mask=m_mask, other=0.0))
+            if FP8_DOT:
+                acc += tl.dot(w, xt)
+            else:
+                acc = tl.dot(w.to(tl.float16), xt.to(tl.float16), acc)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
-        if SPLIT == 1:
-            xs = tl.load(xs_ptr + offs_m, mask=offs_m < M, other=0.0)
-            ws = tl.load(ws_ptr + offs_n)
-            y = acc * ws[:, None] * xs[None, :]
-            if HAS_RESIDUAL:
-                y += tl.load(res_ptr + offs_m[None, :] * N + offs_n[:, None], mask=mask).to(tl.float32)
-            tl.store(out_ptr + offs_m[None, :] * N + offs_n[:, None], y.to(tl.bfloat16), mask=mask)
+        out_offs = offs_m[None, :] * N + offs_n[:, None]
+        mask = offs_m[None, :] < M
+        if SPLIT_K > 1:
+            tl.atomic_add(acc_ptr + out_offs, acc, mask=mask, sem="relaxed")
+            # All of this program's adds before its arrival (barrier + release); the last
+            # program's reads after its acquire.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+            tl.debug_barrier()
+            if arrived == SPLIT_K - 1:
+                acc = tl.load(acc_ptr + out_offs, mask=mask, other=0.0, cache_modifier=".cg")
+                # The zeroing store may run in another layout than the load (other threads,
+                # same addresses): every read first.
+                tl.debug_barrier()
+                tl.store(acc_ptr + out_offs, tl.zeros_like(acc), mask=mask)
+                tl.store(count_ptr + pid_n, 0)
+                y = acc * tl.load(ws_ptr + offs_n)[:, None] * tl.load(xs_ptr + offs_m, mask=offs_m < M, other=0.0)[None, :]
+                if HAS_RESIDUAL:
+                    y += tl.load(res_ptr + out_offs, mask=mask).to(tl.float32)
+                tl.store(out_ptr + out_offs, y.to(tl.bfloat16), mask=mask)
         else:
-            tl.store(part_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=mask)
+            y = acc * tl.load(ws_ptr + offs_n)[:, None] * tl.load(xs_ptr + offs_m, mask=offs_m < M, other=0.0)[None, :]
+            if HAS_RESIDUAL:
+                y += tl.load(res_ptr + out_offs, mask=mask).to(tl.float32)
+            tl.store(out_ptr + out_offs, y.to(tl.bfloat16), mask=mask)
 
-    @triton.jit
-    def split_reduce_kernel(part_ptr, xs_ptr, ws_ptr, res_ptr, out_ptr, M, N,
-                            HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < M * N
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for s in range(SPLIT):
-            acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
-        y = acc * tl.load(xs_ptr + offs // N, mask=mask, other=0.0) * tl.load(ws_ptr + offs % N, mask=mask, other=0.0)
-        if HAS_RESIDUAL:
-            y += tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs, y.to(tl.bfloat16), mask=mask)
-
-    def prune(configs, named_args, **_):
-        fits = [c for c in configs if named_args["N"] % c.kwargs["BLOCK_N"] == 0
-                and named_args["K_PER_SPLIT"] % c.kwargs["BLOCK_K"] == 0]
-        return fits or [triton.Config({"BLOCK_N": 16, "BLOCK_K": 64}, num_warps=4, num_stages=4)]
-
-    # Tuned once per (N, K, split) on the device: stage size, depth and tile height trade bytes in
-    # flight per SM against programs per SM. The tuner times with L2 flushed, as decode sees it.
-    small_m_tuned = triton.autotune(
-        configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-                 for bn, bk, w, st in [(16, 512, 4, 4), (16, 512, 4, 6), (16, 1024, 4, 3), (16, 256, 4, 6),
-                                       (32, 256, 4, 4), (32, 512, 4, 4), (64, 128, 4, 4), (64, 256, 4, 4)]],
-        key=["N", "K", "K_PER_SPLIT"], prune_configs_by={"early_config_prune": prune},
-        do_bench=functools.partial(triton.testing.do_bench, warmup=5, rep=25))(small_m_kernel)
-
-    return quantize_rows_kernel, small_m_kernel, small_m_tuned, split_reduce_kernel
+    return quantize_rows_kernel, stream_kernel
 
 
 def _quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,58 +221,53 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def small_m_config(n: int, k: int, num_sms: int) -> tuple[int, int, int]:
-    """(block_n, block_k, split) for the weight-streaming kernel.
-
-    The widest weight tile (64, 32 or 16 rows) that still gives >= 1.5 programs per SM, so that
-    every SM streams without a second reduction pass; K is split only when even 16-row tiles
-    leave SMs idle. block_k keeps a pipeline stage near 8 KB. On a GPU the autotuner then picks
-    block_n / block_k / depth (the split stays); block_n and block_k here serve the interpreter.
-    """
-    block_n = next((b for b in (64, 32, 16) if n % b == 0 and n // b >= 1.5 * num_sms), 16)
-    block_k = next(b for b in (8192 // block_n, 256, 128, 64) if b <= 8192 // block_n and k % b == 0)
-    split = 1
-    while (n // block_n) * split < 1.5 * num_sms and k % (2 * split * block_k) == 0 \
-            and k // (2 * split) >= 1024:
-        split *= 2
-    return block_n, block_k, split
+def small_m_config(n: int, k: int, num_sms: int) -> dict:
+    """Launch parameters of the weight-streaming kernel: 64-row tiles 256 deep (one 16 KB weight
+    stage), 6 stages when there are fewer than 2 tiles per SM (a 6144-row layer: deeper pipelines
+    beat more programs) else 4. K is split (at most down to 2048 per program) only when N gives
+    fewer than half a tile per SM, until there are 2 programs per SM: splitting costs a reduction
+    and, measured on an H200, lost at 6144 x 4096 and won at 4096 x 14336 (BENCHMARKS.md)."""
+    block_n = next((b for b in (64, 32, 16) if n % b == 0), 16)
+    block_k = next(b for b in (256, 128, 64) if k % b == 0)
+    tiles, split = n // block_n, 1
+    if tiles < num_sms / 2:
+        while tiles * split < 2 * num_sms and k % (2 * split * block_k) == 0 and k // (2 * split) >= 2048:
+            split *= 2
+    stages = 6 if split == 1 and tiles < 2 * num_sms else 4
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": 4,
+            "num_stages": stages}
 
 
 def fp8_gemm_small_m(qx, x_scale, qw, w_scale, residual=None, split: int | None = None,
-                     out: torch.Tensor | None = None):
-    """bf16 [M, N] for M <= 16 on CUDA: weight streaming (grid over N tiles x K splits).
+                     out: torch.Tensor | None = None, config: dict | None = None):
+    """bf16 [M, N] for M <= 16 on CUDA: weight streaming, one launch (grid: N tiles x K splits;
+    split-K partial sums meet in engine/kernels/split_k.py's accumulator).
 
-    split overrides the automatic K split (tests cover several); out is written in place if given.
+    split overrides the automatic K split (tests cover several), config the whole launch
+    (small_m_config's keys, for the benchmark's sweep); out is written in place if given.
     """
-    _, small_m_kernel, small_m_tuned, split_reduce_kernel = _triton_kernels()
+    from engine.kernels.split_k import split_k_buffers
+    stream_kernel = _triton_kernels()[1]
     m, k = qx.shape
     n = qw.shape[0]
     if m > SMALL_M or n % 16 or k % 64:
         raise ValueError(f"small-M kernel takes M <= {SMALL_M}, N % 16 == 0, K % 64 == 0; "
                          f"got M={m}, N={n}, K={k}")
     num_sms = torch.cuda.get_device_properties(qx.device).multi_processor_count if qx.is_cuda else 132
-    block_n, block_k, auto_split = small_m_config(n, k, num_sms)
-    split = split or auto_split
-    if k % (split * block_k):
-        raise ValueError(f"split {split} must divide K={k} into multiples of {block_k}")
+    cfg = dict(config or small_m_config(n, k, num_sms))
+    split = split or cfg.pop("SPLIT_K")
+    cfg.pop("SPLIT_K", None)
+    if k % (split * cfg["BLOCK_K"]):
+        raise ValueError(f"split {split} must divide K={k} into multiples of {cfg['BLOCK_K']}")
     if out is None:
         out = torch.empty(m, n, device=qx.device, dtype=torch.bfloat16)
-    part = torch.empty(split, m, n, device=qx.device, dtype=torch.float32) if split > 1 else out
+    tiles = n // cfg["BLOCK_N"]
+    acc, count = split_k_buffers(qx.device, m * n, tiles) if split > 1 else (out, out)
     res = residual.contiguous() if residual is not None else out
-    x_scale, w_scale = x_scale.float().contiguous(), w_scale.float().contiguous()
-    args = (qx.contiguous(), x_scale, qw.contiguous(), w_scale, res, out, part, m, n, k, k // split)
-    if qx.is_cuda and not _interpreting():
-        small_m_tuned[lambda meta: (n // meta["BLOCK_N"], split)](
-            *args, HAS_RESIDUAL=residual is not None, SPLIT=split, BLOCK_M=16)
-    else:
-        small_m_kernel[(n // block_n, split)](
-            *args, HAS_RESIDUAL=residual is not None, SPLIT=split, BLOCK_M=16, BLOCK_N=block_n,
-            BLOCK_K=block_k, num_warps=4, num_stages=4)
-    if split > 1:
-        block = 1024
-        split_reduce_kernel[(math.ceil(m * n / block),)](
-            part, x_scale, w_scale, res, out, m, n, HAS_RESIDUAL=residual is not None, SPLIT=split,
-            BLOCK=block)
+    stream_kernel[(tiles, split)](
+        qx.contiguous(), x_scale.float().contiguous(), qw.contiguous(), w_scale.float().contiguous(),
+        res, out, acc, count, m, n, K=k, HAS_RESIDUAL=residual is not None, SPLIT_K=split,
+        BLOCK_M=16, FP8_DOT=qx.is_cuda and not _interpreting(), **cfg)
     return out
 
 

@@ -1,25 +1,35 @@
 """NVFP4 weights on Hopper (no FP4 tensor cores): Triton kernels that decode e2m1 in registers.
 
-`nvfp4_matmul(x, w)`: y = x @ W^T for bf16 activations and an NVFP4 weight. Each program streams a
-[BLOCK_N, BLOCK_K] weight tile as packed bytes plus its e4m3 block scales, decodes it in registers
-to bf16 (exactly: e2m1 * e4m3 has at most 5 significant bits), and feeds it to the tensor cores
-(mma.sync at BLOCK_M = 16, WGMMA from 64 rows) against a [BLOCK_M, BLOCK_K] activation tile; the
-fp32 tensor scale is applied once, in the epilogue. For decode (M <= 16) the weight bytes are the
-whole cost, so the grid is split along K until every SM has work (fp32 atomics into a zeroed
-buffer, then one cast). Even and odd K stay in separate halves (two dots, x split the same way):
-interleaving them back cost a register shuffle per element.
+`nvfp4_matmul(x, w)`: y = x @ W^T for bf16 activations and an NVFP4 weight.
 
-The decode is the inner loop's critical path (one weight byte feeds only 2*M FLOPs), so on the GPU
-it is a few PTX instructions per 8 elements (`prmt` table lookups, see _E2M1_TO_BF16_PTX) instead
-of per-element integer arithmetic. It is still what limits decode: about 6.5 SASS instructions
-per weight element in the loop (the lookups, sign merge, bf16x2 scale multiply, table constants)
-and 2 CTAs per SM at ~190 registers; measured on an H200 at M = 1 the kernel moves 0.9-1.5 TB/s,
-22-35% of the 4.2 TB/s copy bandwidth, where bf16 cuBLAS streams 2.9-4.1 TB/s: NVFP4 stores the
-weights in 3.5x less memory but runs decode only 0.9-1.3x as fast as bf16 (BENCHMARKS.md).
+Decode (M <= 16, `_small_m_kernel`): a weight-streaming kernel. The weight tile is the MMA's A
+operand (its rows on the M side, x^T the [K, 16] B operand), so one token still feeds the tensor
+cores, which leaves the CUDA cores only the e2m1 decode: per packed 32-bit word (8 values),
+17 instructions (`_DECODE_PTX`: mask, multiply-shift, mask per bf16 pair, then one bf16x2 multiply
+by the block scale), about 2.1 per weight element. Three things keep the decode that cheap:
+- the word is never split across threads: the MMA's A fragment gives each thread 2 rows x 8 K
+  values per 32 K, so the kernel reorders K (the same way in W and x, which leaves the dot product
+  unchanged) until those 8 logical K positions are one packed word (`_logical_k` below);
+- the pairs that a shift can place cheaply, (k0, k4), (k1, k5), (k2, k6), (k3, k7), become the
+  bf16x2 registers the MMA reads, with no shuffle afterwards;
+- e2m1 is decoded by position, not value: the 3 magnitude bits land on bf16 bits 8:6 (exponent
+  low bits + mantissa top bit), which reads as value x 2^-126 (0.5 is a subnormal, which the bf16
+  multiply honours); the block scale is pre-multiplied by 2^118 (in range: 448 x 2^118 < 2^128),
+  so the product is value x scale x 2^-8, exact in bf16, and the epilogue multiplies by
+  2^8 x tensor scale.
+K is split across programs when N alone leaves SMs idle; the partial sums meet in an fp32
+workspace and the last program of each tile (a counter per tile, reset by that program) adds
+them and writes y, so one launch does the whole product.
 
-The interpreter (TRITON_INTERPRET=1) cannot run inline PTX; it uses the arithmetic decode
-`_e2m1_to_bf16_arith`, which the tests check against the reference, and the GPU tests check the
-PTX decode against the same reference.
+Prefill (M > 16, `_nvfp4_matmul_kernel`): each program decodes a [BLOCK_N, BLOCK_K] tile to bf16
+with `prmt` table lookups (_E2M1_TO_BF16_PTX) and feeds it to the tensor cores against a
+[BLOCK_M, BLOCK_K] activation tile (mma.sync at BLOCK_M = 16, WGMMA from 64 rows); even and odd
+K stay in separate halves (two dots, x split the same way).
+
+The interpreter (TRITON_INTERPRET=1) cannot run inline PTX; there both kernels decode with plain
+Triton arithmetic that computes the same function (`_e2m1_to_bf16_arith`, `_decode_words_arith`),
+and the tests check it against the reference; the GPU tests check the PTX paths against the same
+reference.
 
 `dequantize_bf16(w)`: the whole weight decoded to a bf16 matrix (for large M, where dequantise +
 cuBLAS beats the fused kernel, and for quality reports).
@@ -33,6 +43,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.nvfp4 import Nvfp4Tensor, nvfp4_linear_reference
+from engine.kernels.split_k import split_k_buffers
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -189,6 +200,227 @@ def _dequantize_kernel(packed_ptr, scale_ptr, tensor_scale_ptr, out_ptr, N, K: t
     tl.store(out_ptr + offs_n[:, None] * K + (k0 + offs_k)[None, :], w, mask=(offs_n < N)[:, None])
 
 
+# ------------------------------------------------------------------------------ decode, M <= 16
+
+def _decode_ptx() -> str:
+    """PTX for one `_small_m_kernel` decode call: 16 elements of the MMA's A fragment (pack=16).
+
+    Element e = p + 2*r8 + 4*h + 8*b of a thread's fragment: p the lane of a bf16x2 register, r8
+    the row 8 below, h the upper k8 half of a k16 MMA step, b the next k16 step. $0-$7 are the
+    outputs (bf16x2, register j = r8 + 2h + 4b), $8-$23 each element's packed word, $24-$39 each
+    element's scale pair (bf16x2 bits, scale x 2^118 twice); a row reads its word and scale from
+    element 0 (row r8 = 1: element 2). Register (h, b) of a row takes nibbles (h + 2b, h + 2b + 4)
+    of its word: mask the two nibbles (16 bits apart), multiply by 2^6 + 2^12 (nibbles at bit 0)
+    or 2^2 + 2^8 (at bit 4) to put the magnitude on bits 8:6 and the sign on bit 15 of each half,
+    mask again, multiply by the scale.
+    """
+    lines = ["{", ".reg .b32 t<5>;"]
+    for word, scale, outs in (("$8", "$24", ("$0", "$2", "$4", "$6")),
+                              ("$10", "$26", ("$1", "$3", "$5", "$7"))):
+        for (src, mask, mul), out in zip(
+                ((word, "0x000F000F", "0x1040"), (word, "0x00F000F0", "0x104"),
+                 ("t4", "0x000F000F", "0x1040"), ("t4", "0x00F000F0", "0x104")), outs):
+            if src == "t4" and mask == "0x000F000F":
+                lines.append(f"shr.u32 t4, {word}, 8;")
+            lines += [f"and.b32 t0, {src}, {mask};", f"mul.lo.u32 t0, t0, {mul};",
+                      "and.b32 t0, t0, 0x81C081C0;", f"mul.rn.bf16x2 {out}, t0, {scale};"]
+    return "\n".join(lines + ["}"])
+
+
+_DECODE_PTX = tl.constexpr(_decode_ptx())
+_DECODE_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 32))
+# Two e4m3 block scales -> two bf16x2 words (s x 2^118, twice): exact (e4m3 -> f16 -> f32 are
+# exact, x 2^118 is a power of two and the 4 significant bits fit bf16's 8).
+_SCALE_PTX = tl.constexpr("""
+{
+.reg .b32 h2, f0, f1;
+.reg .b16 lo, hi;
+cvt.rn.f16x2.e4m3x2 h2, $2;
+mov.b32 {lo, hi}, h2;
+cvt.f32.f16 f0, lo;
+cvt.f32.f16 f1, hi;
+mul.f32 f0, f0, 0f7A800000;
+mul.f32 f1, f1, 0f7A800000;
+cvt.rn.bf16x2.f32 $0, f0, f0;
+cvt.rn.bf16x2.f32 $1, f1, f1;
+}
+""")
+
+
+@triton.jit
+def _logical_k(t, ROWS: tl.constexpr, CHUNKS: tl.constexpr, WPT: tl.constexpr):
+    """[ROWS, BLOCK_K] in physical K order -> the logical order the kernel multiplies in.
+
+    Physical K inside a chunk of 32 * WPT: (q, c, p, b, h) = 8*WPT*q + 8*c + 4*p + 2*b + h, i.e.
+    word q*WPT + c of the chunk, nibble h + 2b + 4p; logical: (c, b, h, q, p) = 32c + 16b + 8h +
+    2q + p, where q is the thread (lane % 4) that holds it in the MMA fragment."""
+    t = t.reshape(ROWS, CHUNKS, 4, WPT, 2, 2, 2)
+    return tl.permute(t, (0, 1, 3, 5, 6, 2, 4)).reshape(ROWS, CHUNKS * WPT * 32)
+
+
+@triton.jit
+def _words_per_element(words, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, WPT: tl.constexpr):
+    """Packed words [BLOCK_N, BLOCK_K/8] -> [BLOCK_N, BLOCK_K]: each logical element's word."""
+    w = tl.permute(words.reshape(BLOCK_N, CHUNKS, 4, WPT), (0, 1, 3, 2))
+    w = tl.broadcast_to(w.reshape(BLOCK_N, CHUNKS, WPT, 1, 4, 1), (BLOCK_N, CHUNKS, WPT, 4, 4, 2))
+    return w.reshape(BLOCK_N, CHUNKS * WPT * 32)
+
+
+@triton.jit
+def _scales_per_element(s, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, WPT: tl.constexpr):
+    """Block scales [BLOCK_N, BLOCK_K/16] -> [BLOCK_N, BLOCK_K]: each logical element's scale
+    (16 physical K per scale: word q*WPT + c of a chunk has scale (q*WPT + c) // 2)."""
+    if WPT == 1:
+        s = tl.broadcast_to(s.reshape(BLOCK_N, CHUNKS, 1, 1, 2, 1, 1),
+                            (BLOCK_N, CHUNKS, 1, 4, 2, 2, 2))
+    elif WPT == 2:
+        s = tl.broadcast_to(s.reshape(BLOCK_N, CHUNKS, 1, 1, 4, 1),
+                            (BLOCK_N, CHUNKS, 2, 4, 4, 2))
+    else:
+        s = tl.permute(s.reshape(BLOCK_N, CHUNKS, 4, WPT // 2), (0, 1, 3, 2))
+        s = tl.broadcast_to(s.reshape(BLOCK_N, CHUNKS, WPT // 2, 1, 1, 4, 1),
+                            (BLOCK_N, CHUNKS, WPT // 2, 2, 4, 4, 2))
+    return s.reshape(BLOCK_N, CHUNKS * WPT * 32)
+
+
+@triton.jit
+def _decode_words_arith(words, scale, BLOCK_K: tl.constexpr):
+    """The interpreter's version of _DECODE_PTX: element k' of a row is nibble h + 2b + 4p of its
+    word (see _logical_k), times its block scale, in fp32 (no 2^-126 / 2^118 factors)."""
+    kk = tl.arange(0, BLOCK_K)
+    nibble = ((kk >> 3) & 1) + 2 * ((kk >> 4) & 1) + 4 * (kk & 1)
+    code = (words >> (4 * nibble)[None, :]) & 0xF
+    return _code_to_bf16_arith(code).to(tl.float32) * scale
+
+
+@triton.jit(do_not_specialize=["M"])  # one binary for every decode batch size
+def _small_m_kernel(
+    x_ptr, words_ptr, scale_ptr, tensor_scale_ptr, out_ptr, acc_ptr, count_ptr,
+    M, N, stride_xm, stride_om, K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WPT: tl.constexpr,
+    SPLIT_K: tl.constexpr, USE_PTX: tl.constexpr,
+):
+    """y[M, N] = x @ W^T for M <= BLOCK_M: acc^T [BLOCK_N, BLOCK_M] = W_tile @ x_tile^T, both in
+    the logical K order of _logical_k. With SPLIT_K > 1 the programs of a tile add into acc_ptr
+    (fp32 [M, N], zero on entry) and the last one writes y and zeroes acc_ptr and its counter."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    CHUNKS: tl.constexpr = BLOCK_K // (32 * WPT)
+    K_SPLIT: tl.constexpr = K // SPLIT_K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_mask = (offs_n < N)[:, None]
+    m_mask = (offs_m < M)[:, None]
+    k0 = pid_k * K_SPLIT
+    # K is a compile-time multiple of BLOCK_K: word rows (K/8 ints) and scale rows (K/16 bytes)
+    # are then known 16-byte multiples, so every weight load is a 16-byte vector.
+    words_ptrs = words_ptr + offs_n[:, None] * (K // 8) + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :]
+    scale_ptrs = scale_ptr + offs_n[:, None] * (K // 16) + (k0 // 16 + tl.arange(0, BLOCK_K // 16))[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k0 + tl.arange(0, BLOCK_K))[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for _ in range(0, K_SPLIT, BLOCK_K):
+        # Rows past N read as 0 and are never stored, so tail tiles need no padding.
+        words = tl.load(words_ptrs, mask=n_mask, other=0)
+        scale = tl.load(scale_ptrs, mask=n_mask, other=0)
+        x = _logical_k(tl.load(x_ptrs, mask=m_mask, other=0.0), BLOCK_M, CHUNKS, WPT)
+        if USE_PTX:
+            scale = tl.inline_asm_elementwise(_SCALE_PTX, "=r,=r,h", [scale], dtype=tl.int32,
+                                              is_pure=True, pack=2)
+            w = tl.inline_asm_elementwise(
+                _DECODE_PTX, _DECODE_CONSTRAINTS,
+                [_words_per_element(words, BLOCK_N, CHUNKS, WPT),
+                 _scales_per_element(scale, BLOCK_N, CHUNKS, WPT)],
+                dtype=tl.bfloat16, is_pure=True, pack=16)
+            acc = tl.dot(w, tl.trans(x), acc)
+        else:
+            scale = scale.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            w = _decode_words_arith(_words_per_element(words, BLOCK_N, CHUNKS, WPT),
+                                    _scales_per_element(scale, BLOCK_N, CHUNKS, WPT), BLOCK_K)
+            # fp32 dot: the interpreter's bf16 dot is wrong (Triton 3.9); the values are the same.
+            acc = tl.dot(w, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+        words_ptrs += BLOCK_K // 8
+        scale_ptrs += BLOCK_K // 16
+        x_ptrs += BLOCK_K
+
+    # The PTX decode leaves every product scaled by 2^-8 (see _decode_ptx).
+    scale_out = tl.load(tensor_scale_ptr) * (256.0 if USE_PTX else 1.0)
+    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    mask = (offs_m[None, :] < M) & n_mask
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, (acc * scale_out).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        acc_ptrs = acc_ptr + offs_m[None, :] * N + offs_n[:, None]
+        tl.atomic_add(acc_ptrs, acc, mask=mask, sem="relaxed")
+        # Every thread's adds come before the counter's release (the barrier), and the last
+        # program's reads after its acquire.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        tl.debug_barrier()
+        if arrived == SPLIT_K - 1:
+            total = tl.load(acc_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, (total * scale_out).to(out_ptr.dtype.element_ty), mask=mask)
+            # The zeroing store may run in another layout than the load (other threads, same
+            # addresses): every read first.
+            tl.debug_barrier()
+            tl.store(acc_ptrs, tl.zeros_like(total), mask=mask)
+            tl.store(count_ptr + pid_n, 0)
+
+
+SMALL_M = 16
+
+
+def small_m_config(m: int, n: int, k: int, sm_count: int, block_n: int | None = None,
+                   block_k: int | None = None, words_per_thread: int | None = None,
+                   num_warps: int | None = None, num_stages: int | None = None,
+                   split_k: int | None = None) -> dict:
+    """Tile shape, split-K and launch parameters of the decode kernel (keyword overrides for the
+    benchmark's sweep).
+
+    128-row tiles, 256 K deep, 3 stages; K is split until there are 1.5 programs per SM, as long
+    as each program keeps at least 4 K steps. Where that leaves too few steps (a 4096-deep
+    6144-row layer: 48 tiles would need 4-way splits of 4 steps), 64-row tiles 128 deep, 6 stages.
+    Chosen from an H200 sweep (BENCHMARKS.md): the fastest configuration at each Llama-3.1-8B
+    shape, M = 1 and 16.
+    """
+    def split_for(bn, bk):
+        tiles, split = triton.cdiv(n, bn), 1
+        while (tiles * split < 1.5 * sm_count and k % (2 * split * bk) == 0
+               and k // (2 * split) >= 4 * bk):
+            split *= 2
+        return split
+
+    if block_n is None and block_k is None:
+        block_n, block_k, stages = 128, 256, 3
+        if k % block_k or triton.cdiv(n, 128) * split_for(128, 256) < 1.5 * sm_count:
+            block_n, block_k, stages = 64, 128, 6
+    else:
+        block_n, block_k, stages = block_n or 64, block_k or 256, 4
+    while k % block_k:
+        block_k //= 2
+    wpt = min(words_per_thread or 2, block_k // 32)
+    if block_k < 32 * wpt:
+        raise ValueError(f"K={k} needs a multiple of {32 * wpt}")
+    if split_k is None:
+        split_k = split_for(block_n, block_k)
+    if k % (split_k * block_k):
+        raise ValueError(f"SPLIT_K={split_k} x BLOCK_K={block_k} does not divide K={k}")
+    return {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k, "WPT": wpt, "SPLIT_K": split_k,
+            "num_warps": num_warps or 4, "num_stages": num_stages or stages}
+
+
+def _small_m_matmul(x: torch.Tensor, w: Nvfp4Tensor, out: torch.Tensor, config: dict | None):
+    m, k = x.shape
+    n = w.shape[0]
+    cfg = dict(config or small_m_config(m, n, k, _sm_count(x.device)))
+    split = cfg["SPLIT_K"]
+    tiles = triton.cdiv(n, cfg["BLOCK_N"])
+    acc, count = split_k_buffers(x.device, m * n, tiles) if split > 1 else (out, out)
+    _small_m_kernel[(tiles, split)](
+        x, w.packed.view(torch.int32), w.block_scale.view(torch.uint8), w.tensor_scale, out,
+        acc, count, m, n, x.stride(0), out.stride(0), K=k, USE_PTX=not INTERPRET, **cfg)
+    return out
+
+
 def _sm_count(device) -> int:
     if INTERPRET or device.type != "cuda":
         return 4
@@ -237,7 +469,9 @@ def supported(x: torch.Tensor, w: Nvfp4Tensor) -> bool:
 
 def nvfp4_matmul(x: torch.Tensor, w: Nvfp4Tensor, out_dtype: torch.dtype = torch.bfloat16,
                  config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """y[M, N] = x[M, K] @ W^T, W in NVFP4, fp32 accumulation; written into `out` if given."""
+    """y[M, N] = x[M, K] @ W^T, W in NVFP4, fp32 accumulation; written into `out` if given.
+    M <= 16 runs the decode kernel (config: small_m_config's dict), larger M the tile kernel
+    (config: matmul_config's dict)."""
     m, k = x.shape
     n = w.shape[0]
     if out is None:
@@ -246,6 +480,8 @@ def nvfp4_matmul(x: torch.Tensor, w: Nvfp4Tensor, out_dtype: torch.dtype = torch
         return out.copy_(nvfp4_linear_reference(x, w, out.dtype))
     if x.dtype != torch.bfloat16:
         x = x.to(torch.bfloat16)
+    if m <= SMALL_M and (config is None or "WPT" in config):
+        return _small_m_matmul(x, w, out, config)
     cfg = dict(config or matmul_config(m, n, k, _sm_count(x.device)))
     split = cfg.pop("SPLIT_K")
     # Split-K partial sums meet in an fp32 buffer (atomics), cast once at the end.
