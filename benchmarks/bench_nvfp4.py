@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 from engine.kernels import nvfp4 as nv
 from engine.kernels import nvfp4_decode as dec
 

@@ -360,6 +360,21 @@ def test_gpu_decode_kernel_configs_and_tails():
 
 
 @pytest.mark.gpu
+def test_gpu_decode_kernel_arithmetic_fallback(monkeypatch):
+    # Where the compiled layout does not suit the PTX decode, the kernel decodes arithmetically.
+    from engine.kernels import nvfp4_decode as dec
+    monkeypatch.setattr(dec, "_ptx_decode_layout_ok", lambda *args: False)
+    for n, k in [(300, 576), (1000, 4096)]:
+        w = nv.quantize(torch.randn(n, k, device="cuda") * 0.02)
+        for m in (1, 16):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float32)
+            dec.nvfp4_matmul(x, w, out=out)
+            assert not out.isnan().any()
+            assert rel_err(out, x.double() @ nv.dequantize(w).double().t()) < 1e-5, (n, k, m)
+
+
+@pytest.mark.gpu
 def test_gpu_tail_n_and_dispatch():
     # N not a multiple of any tile, M crossing the decode/GEMM boundary; through nvfp4_linear.
     w = nv.quantize(torch.randn(1000, 4096, device="cuda"))

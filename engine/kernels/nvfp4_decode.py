@@ -17,9 +17,14 @@ by the block scale), about 2.1 per weight element. Three things keep the decode 
   multiply honours); the block scale is pre-multiplied by 2^118 (in range: 448 x 2^118 < 2^128),
   so the product is value x scale x 2^-8, exact in bf16, and the epilogue multiplies by
   2^8 x tensor scale.
+The PTX is written for the A operand's register order, which only holds where Triton propagates
+the MMA layout back through the decode; the layout is checked per configuration on the compiled
+kernel (`_ptx_decode_layout_ok`), and where it does not hold the kernel decodes arithmetically.
 K is split across programs when N alone leaves SMs idle; the partial sums meet in an fp32
-workspace and the last program of each tile (a counter per tile, reset by that program) adds
-them and writes y, so one launch does the whole product.
+accumulator and the last program of each tile (a counter per tile, reset by that program) writes
+y, so one launch does the whole product (engine/kernels/split_k.py). On an H200 the decode kernel
+streams 1.3-1.9 TB/s, 1.3-1.4x the tile kernel below and 30-45% of the copy bandwidth
+(BENCHMARKS.md).
 
 Prefill (M > 16, `_nvfp4_matmul_kernel`): each program decodes a [BLOCK_N, BLOCK_K] tile to bf16
 with `prmt` table lookups (_E2M1_TO_BF16_PTX) and feeds it to the tensor cores against a
@@ -28,8 +33,9 @@ K stay in separate halves (two dots, x split the same way).
 
 The interpreter (TRITON_INTERPRET=1) cannot run inline PTX; there both kernels decode with plain
 Triton arithmetic that computes the same function (`_e2m1_to_bf16_arith`, `_decode_words_arith`),
-and the tests check it against the reference; the GPU tests check the PTX paths against the same
-reference.
+and the tests check it against the reference; a CPU test executes `_DECODE_PTX` instruction by
+instruction in Python against `_decode_words_arith`'s element order, and the GPU tests check the
+PTX paths against the reference.
 
 `dequantize_bf16(w)`: the whole weight decoded to a bf16 matrix (for large M, where dequantise +
 cuBLAS beats the fused kernel, and for quality reports).
@@ -298,11 +304,13 @@ def _small_m_kernel(
     x_ptr, words_ptr, scale_ptr, tensor_scale_ptr, out_ptr, acc_ptr, count_ptr,
     M, N, stride_xm, stride_om, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WPT: tl.constexpr,
-    SPLIT_K: tl.constexpr, USE_PTX: tl.constexpr,
+    SPLIT_K: tl.constexpr, USE_PTX: tl.constexpr, INTERPRETER: tl.constexpr,
 ):
     """y[M, N] = x @ W^T for M <= BLOCK_M: acc^T [BLOCK_N, BLOCK_M] = W_tile @ x_tile^T, both in
     the logical K order of _logical_k. With SPLIT_K > 1 the programs of a tile add into acc_ptr
-    (fp32 [M, N], zero on entry) and the last one writes y and zeroes acc_ptr and its counter."""
+    (fp32 [M, N], zero on entry) and the last one writes y and zeroes acc_ptr and its counter.
+    USE_PTX is only correct where the decode's result has the MMA operand layout
+    (_ptx_decode_layout_ok checks the compiled kernel); elsewhere the arithmetic decode runs."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     CHUNKS: tl.constexpr = BLOCK_K // (32 * WPT)
@@ -336,8 +344,11 @@ def _small_m_kernel(
             scale = scale.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             w = _decode_words_arith(_words_per_element(words, BLOCK_N, CHUNKS, WPT),
                                     _scales_per_element(scale, BLOCK_N, CHUNKS, WPT), BLOCK_K)
-            # fp32 dot: the interpreter's bf16 dot is wrong (Triton 3.9); the values are the same.
-            acc = tl.dot(w, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+            if INTERPRETER:
+                # fp32 dot: the interpreter's bf16 dot is wrong (Triton 3.9); same values.
+                acc = tl.dot(w, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+            else:  # e2m1 x e4m3 is exact in bf16
+                acc = tl.dot(w.to(tl.bfloat16), tl.trans(x), acc)
         words_ptrs += BLOCK_K // 8
         scale_ptrs += BLOCK_K // 16
         x_ptrs += BLOCK_K
@@ -391,7 +402,9 @@ def small_m_config(m: int, n: int, k: int, sm_count: int, block_n: int | None = 
 
     if block_n is None and block_k is None:
         block_n, block_k, stages = 128, 256, 3
-        if k % block_k or triton.cdiv(n, 128) * split_for(128, 256) < 1.5 * sm_count:
+        if k % 128:  # e.g. K = 576: 64 deep (64-row tiles there decode in the wrong layout)
+            block_k, stages = 64, 4
+        elif k % block_k or triton.cdiv(n, 128) * split_for(128, 256) < 1.5 * sm_count:
             block_n, block_k, stages = 64, 128, 6
     else:
         block_n, block_k, stages = block_n or 64, block_k or 256, 4
@@ -408,6 +421,30 @@ def small_m_config(m: int, n: int, k: int, sm_count: int, block_n: int | None = 
             "num_warps": num_warps or 4, "num_stages": num_stages or stages}
 
 
+# (config, K, output dtype) -> whether the compiled PTX-decode kernel has the layout it needs.
+_PTX_LAYOUT_OK: dict = {}
+
+
+def _ptx_decode_layout_ok(args: tuple, grid: tuple, cfg: dict, k: int, out_dtype) -> bool:
+    """Whether Triton gave the PTX decode's result the MMA's A-operand layout (bf16 pairs,
+    kWidth 2), the register order _decode_ptx is written for. Triton chooses layouts itself: in
+    most configurations it propagates the dot operand's layout back through the decode to the
+    loads, but in some (seen with 64-row, 64-deep tiles at K = 576) it decodes in another layout
+    and converts afterwards, where the PTX would pair the wrong elements. Checked once per
+    configuration on the compiled kernel, before its first launch."""
+    key = (tuple(sorted(cfg.items())), k, out_dtype)
+    if key not in _PTX_LAYOUT_OK:
+        compiled = _small_m_kernel.warmup(*args, grid=grid, K=k, USE_PTX=True, INTERPRETER=False,
+                                          **cfg)
+        ok = False
+        for line in compiled.asm["ttgir"].splitlines():
+            if "elementwise_inline_asm" in line and "mul.rn.bf16x2" in line:
+                result = line.rsplit("->", 1)[-1]
+                ok = "dot_op<{opIdx = 0" in result and "kWidth = 2" in result
+        _PTX_LAYOUT_OK[key] = ok
+    return _PTX_LAYOUT_OK[key]
+
+
 def _small_m_matmul(x: torch.Tensor, w: Nvfp4Tensor, out: torch.Tensor, config: dict | None):
     m, k = x.shape
     n = w.shape[0]
@@ -415,9 +452,11 @@ def _small_m_matmul(x: torch.Tensor, w: Nvfp4Tensor, out: torch.Tensor, config: 
     split = cfg["SPLIT_K"]
     tiles = triton.cdiv(n, cfg["BLOCK_N"])
     acc, count = split_k_buffers(x.device, m * n, tiles) if split > 1 else (out, out)
-    _small_m_kernel[(tiles, split)](
-        x, w.packed.view(torch.int32), w.block_scale.view(torch.uint8), w.tensor_scale, out,
-        acc, count, m, n, x.stride(0), out.stride(0), K=k, USE_PTX=not INTERPRET, **cfg)
+    args = (x, w.packed.view(torch.int32), w.block_scale.view(torch.uint8), w.tensor_scale, out,
+            acc, count, m, n, x.stride(0), out.stride(0))
+    grid = (tiles, split)
+    use_ptx = not INTERPRET and _ptx_decode_layout_ok(args, grid, cfg, k, out.dtype)
+    _small_m_kernel[grid](*args, K=k, USE_PTX=use_ptx, INTERPRETER=INTERPRET, **cfg)
     return out
 
 
