@@ -276,16 +276,22 @@ def bench_config(name, overrides, args, device, shared):
     guard = run_to_completion(engine, [("guard", guard_ids, SamplingParams(
         max_tokens=args.guard_tokens, temperature=0, ignore_eos=True, detokenize=False))])[0]
     # Random weights give near-flat logits, so greedy tokens diverge under any rounding change; the
-    # logits of the same prompt, compared by relative error, are the sharper guard.
+    # logits compared by relative error are the sharper guard. They are taken over the same tokens
+    # for every configuration (the prompt and dense's continuation): past the first token where two
+    # continuations differ, their own logits would describe different sequences.
+    ref, ref_logits = shared.get("dense", (guard, None))
     with torch.inference_mode():
-        logits = engine.model.compute_logits(engine.hidden_states([guard_ids + guard])[0]).cpu()
-    if "dense" in shared:
-        ref, ref_logits = shared["dense"]
+        logits = engine.model.compute_logits(engine.hidden_states([guard_ids + ref])[0]).cpu()
+    if ref_logits is not None:
         row["agreement"] = sum(a == b for a, b in zip(guard, ref)) / len(ref)
         row["logits_rel_err"] = ((logits - ref_logits).norm() / ref_logits.norm()).item()
     else:
         shared["dense"] = guard, logits
         row["agreement"], row["logits_rel_err"] = 1.0, 0.0
+    if args.guard_only:
+        del engine
+        _release_device(device)
+        return row
     row["prefill_tok_s"], prefill_host = bench_prefill(engine, rng, vocab, args.prefill_seqs, args.prefill_len)
     row["prefill_host_ms"] = prefill_host * 1e3
     kv_per_token = 2 * engine.model_config.num_layers * engine.model_config.num_kv_heads * \
@@ -305,10 +311,15 @@ def bench_config(name, overrides, args, device, shared):
     if device.type == "cuda":
         row["peak_mem_GB"] = torch.cuda.max_memory_allocated(device) / 1e9
     del engine
+    _release_device(device)
+    return row
+
+
+def _release_device(device) -> None:
+    """Give an engine's memory back before the next configuration loads."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return row
 
 
 def bench_hf(args, device, rng_seed=0):
@@ -561,6 +572,8 @@ def main(argv=None):
     ap.add_argument("--step-tokens", type=int, default=8192, help="per-step token budget")
     ap.add_argument("--kv-tokens", type=int, default=None, help="KV cache size in tokens (default: from memory)")
     ap.add_argument("--guard-tokens", type=int, default=32)
+    ap.add_argument("--guard-only", action="store_true",
+                    help="only the correctness guard of each configuration (no timings, no HF)")
     ap.add_argument("--ppl-window", type=int, default=512)
     ap.add_argument("--ppl-windows", type=int, default=8)
     ap.add_argument("--gemm-ms", default="1,16,128,1024,8192", help="M values of the roofline points")
@@ -608,7 +621,8 @@ def main(argv=None):
                             "bf16_TFLOPs": measure_matmul_peak(device) / 1e12,
                             "fp8_TFLOPs": measure_matmul_peak(device, torch.float8_e4m3fn) / 1e12},
                "configs": []}
-    steps = names + ([] if args.no_hf else ["HF transformers"]) + ([] if args.no_quality else ["quality"])
+    steps = names + ([] if args.no_hf or args.guard_only else ["HF transformers"]) + \
+        ([] if args.no_quality or args.guard_only else ["quality"])
     if args.quality_only:
         steps = ["quality"]
     for name in tqdm(steps, desc="bench", unit="config", file=sys.stderr):
