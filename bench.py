@@ -35,7 +35,7 @@ from engine.engine import Engine
 from engine.memory import allocator
 from engine.sampling import SamplingParams
 
-# name -> EngineConfig overrides; "lossless" configs must reproduce the dense greedy tokens.
+# name -> EngineConfig overrides; "lossless" configs must reproduce the dense logits up to rounding.
 CONFIGS = {
     "dense":        ({}, True),
     "fused-off":    ({"fused_kernels": False}, True),
@@ -50,9 +50,10 @@ THROUGHPUT_SEED = 1                           # the throughput requests' own RNG
 QUALITY = {"dense": {}, "fp8": {"weights": "fp8"}, "nvfp4": {"weights": "nvfp4"},
            "2:4 magnitude": {"sparse_ffn": "magnitude"}, "2:4 wanda": {"sparse_ffn": "wanda"},
            "2:4+fp8": {"sparse_ffn": "magnitude", "weights": "fp8"}}
-# Relative logit error a lossless switch may cause by rounding alone (bf16 activations round to
-# 2^-9; a different accumulation order over 32 layers compounds that).
-LOSSLESS_TOLERANCE = {"bf16": 3e-2, "fp16": 1e-2, "fp32": 1e-4}
+# Relative logit error a lossless switch may cause by rounding alone, per decoder layer: two roundings
+# of the same math drift apart layer by layer (measured: the dense llama-3.2-1b preset in bf16 against
+# fp32 on the CPU, 0.026 over 16 layers, 1.6e-3 a layer).
+LOSSLESS_TOLERANCE_PER_LAYER = {"bf16": 2e-3, "fp16": 5e-4, "fp32": 1e-5}
 GUARD_PROMPT = "The quick brown fox jumps over the lazy dog. In the beginning"
 
 
@@ -271,7 +272,7 @@ def bench_config(name, overrides, args, device, shared):
         torch.cuda.reset_peak_memory_stats(device)
     engine = Engine(cfg)
     vocab = min(engine.model_config.vocab_size, 49152)
-    row = {"config": name}
+    row = {"config": name, "num_layers": engine.model_config.num_layers}
     guard_ids = engine.tokenizer.encode(GUARD_PROMPT, add_special_tokens=False)
     guard = run_to_completion(engine, [("guard", guard_ids, SamplingParams(
         max_tokens=args.guard_tokens, temperature=0, ignore_eos=True, detokenize=False))])[0]
@@ -633,7 +634,8 @@ def main(argv=None):
                 results["quality"] = quality(args, device)
             else:
                 row = bench_config(name, CONFIGS[name][0], args, device, shared)
-                if CONFIGS[name][1] and row["logits_rel_err"] > LOSSLESS_TOLERANCE[args.dtype_name]:
+                bound = LOSSLESS_TOLERANCE_PER_LAYER[args.dtype_name] * row.pop("num_layers")
+                if CONFIGS[name][1] and row["logits_rel_err"] > bound:
                     row["note"] = (f"lossless switch moved the logits by {row['logits_rel_err']:.2e} "
                                    "(relative), more than rounding explains")
                 results["configs"].append(row)
