@@ -368,9 +368,9 @@ class Engine:
         now = time.perf_counter()
         for (req, index), token, lp in zip(step.rows, tokens, logprobs):
             seq = req.seq
-            seq.num_pending -= 1
             if seq.status is Status.FINISHED:
                 continue    # aborted, or it finished on the token before this one
+            seq.num_pending -= 1
             seq.output_ids[index] = token
             self._emit(req, index, token, lp, now)
 
