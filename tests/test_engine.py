@@ -356,3 +356,46 @@ def test_gpu_quantised_model_paths_match_their_reference(weights, bound, monkeyp
     assert first.token_id in lp.topk(3).indices.tolist()      # ties aside, the same first token
     assert abs(lp[first.token_id].item() - first.logprob) < 0.05
     assert len(out.logprobs) == 8 and all(-1e4 < t.logprob <= 0 for t in out.logprobs)
+
+
+@pytest.mark.gpu
+def test_gpu_preemption_prefix_cache_abort_and_limits():
+    """The CPU tests above on the GPU path (llama-tiny, fp32 so batch shape cannot flip a greedy tie):
+    a pool too small for all requests preempts and recomputes with unchanged outputs and no leaked
+    block; chunked prefills attend to their paged prefix; a shared 2-block prefix is served from the
+    cache with unchanged output; an abort frees its blocks; impossible requests are refused."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate([1, 2, 7, 15, 16, 17, 31, 33, 64, 100,
+                                                                     128, 150, 199, 250, 299, 300])]
+    big = LLM("llama-tiny", device="cuda", dtype="fp32", kv_cache_tokens=16384)
+    try:
+        want = [o.token_ids for o in big.generate(prompts, GREEDY)]
+        base = list(range(500, 540))                        # 2 full blocks + 8 tokens
+        second = base[:32] + list(range(900, 909))
+        big.generate([base], GREEDY)
+        before = big.metrics()["prefix_cache_hits"]
+        cached = big.generate([second], GREEDY)[0].token_ids
+        assert big.metrics()["prefix_cache_hits"] - before >= 2
+        stream = big.stream(list(range(200, 300)), SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
+        it = iter(stream)
+        for _ in range(3):
+            next(it)
+        stream.abort()
+        assert list(it)[-1].finish_reason == "abort"
+        m = big.metrics()
+        assert m["kv_blocks_used"] == 0 and m["running"] == 0
+    finally:
+        big.shutdown(timeout=1)
+    small = LLM("llama-tiny", device="cuda", dtype="fp32", kv_cache_tokens=768, max_num_batched_tokens=128,
+                enable_prefix_caching=False)
+    try:
+        assert [o.token_ids for o in small.generate(prompts, GREEDY)] == want
+        assert small.generate([second], GREEDY)[0].token_ids == cached
+        m = small.metrics()
+        assert m["preemptions"] > 0 and m["kv_blocks_free"] == m["kv_blocks_total"]
+        with pytest.raises(ContextLengthError, match="KV blocks"):
+            small.generate([list(range(100, 700))], SamplingParams(max_tokens=400))
+        with pytest.raises(ContextLengthError, match="max_model_len"):
+            small.generate([[7] * small.max_model_len], SamplingParams(max_tokens=1))
+    finally:
+        small.shutdown(timeout=1)
