@@ -649,11 +649,11 @@ ENGINE_HELP = {
     "cuda_graphs": "capture decode steps in CUDA graphs (cuda only)",
     "gpu_memory_limit": "GiB of device memory for weights, KV cache and activations; decoder layers "
                         "that do not fit are streamed from pinned host memory (default: no limit)",
-    "overlap": "pipelined steps (cuda only): the host schedules and uploads step N+1 while step N "
-               "runs; off: every step is serialised",
-    "offload": "run models larger than the GPU: the decoder layers that do not fit are kept in "
-               "pinned host memory and streamed to the device layer by layer, overlapped with the "
-               "compute (the limit: --gpu-memory-limit, else the device's free memory)",
+    "overlap": "pipelined steps: the host schedules and uploads step N+1 while step N runs and "
+               "reads step N's tokens afterwards; off: every step is serialised",
+    "offload": "stream the decoder layers that do not fit from pinned host memory, layer by layer, "
+               "overlapped with the compute (the limit: --gpu-memory-limit, else the device's total "
+               "memory); the model is loaded onto the device first, so it must fit there to load",
     "seed": "seed for random preset weights and for requests without a seed",
 }
 
