@@ -30,6 +30,28 @@ BLOCK = 16  # elements along K per e4m3 block scale
 # The 8 magnitudes of e2m1, indexed by the low 3 bits of a code (bit 3 is the sign).
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
+# The start of both Hopper decoders' inline PTX (engine/kernels/nvfp4_decode.py and
+# engine/kernels/cute/nvfp4_sm90.py): $4 holds 4 packed bytes = 8 codes. `prmt` looks 4 bytes up in
+# an 8-byte table indexed by 3-bit codes (the sign masked off): hi_a:hi_b hold the high bytes of the
+# bf16 encodings of the 8 magnitudes above (0x0000 3F00 3F80 3FC0 4000 4040 4080 40C0), lo_a:lo_b
+# the low bytes; h0/l0 serve codes 0..3 of the word, h1/l1 codes 4..7. `shifted` (the word shifted
+# left by 4) puts the even-K codes' sign bits at the top of a byte for the sign step that follows.
+# The caller declares the registers (.b32 hi_a, hi_b, lo_a, lo_b, sel0, sel1, h0, l0, h1, l1,
+# shifted) and pairs the bytes into bf16x2 words in its own order.
+E2M1_BF16_LUT_PTX = """mov.b32 hi_a, 0x3F3F3F00;
+mov.b32 hi_b, 0x40404040;
+mov.b32 lo_a, 0xC0800000;
+mov.b32 lo_b, 0xC0804000;
+and.b32 sel0, $4, 0x7777;
+shr.b32 sel1, $4, 16;
+and.b32 sel1, sel1, 0x7777;
+prmt.b32 h0, hi_a, hi_b, sel0;
+prmt.b32 l0, lo_a, lo_b, sel0;
+prmt.b32 h1, hi_a, hi_b, sel1;
+prmt.b32 l1, lo_a, lo_b, sel1;
+shl.b32 shifted, $4, 4;
+"""
+
 
 @dataclass
 class Nvfp4Tensor:

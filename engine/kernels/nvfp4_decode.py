@@ -48,15 +48,13 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.nvfp4 import Nvfp4Tensor, nvfp4_linear_reference
+from engine.kernels.nvfp4 import E2M1_BF16_LUT_PTX, Nvfp4Tensor, nvfp4_linear_reference
 from engine.kernels.split_k import split_k_buffers
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-# One `prmt` looks 4 bytes up in an 8-byte table indexed by 3-bit codes (the sign masked off):
-# one table holds the high bytes of the bf16 encodings of e2m1's 8 magnitudes
-# (0, .5, 1, 1.5, 2, 3, 4, 6 = 0x0000 3F00 3F80 3FC0 4000 4040 4080 40C0), one the low bytes.
-# A second `prmt` interleaves low and high bytes into bf16x2 words. The sign comes from `prmt`'s
+# After the table lookups of E2M1_BF16_LUT_PTX (engine/kernels/nvfp4.py), a second `prmt`
+# interleaves low and high bytes into bf16x2 words. The sign comes from `prmt`'s
 # sign-replicate mode (selector bit 3): it copies the top bit of a chosen byte over a whole byte;
 # a nibble's sign bit is the top bit of a byte either of the packed word (odd K) or of the word
 # shifted left by 4 (even K); `lop3` ORs that bit into the bf16 sign (a | (b & c) = 0xF8).
@@ -65,19 +63,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _E2M1_TO_BF16_PTX = tl.constexpr("""
 {
 .reg .b32 hi_a, hi_b, lo_a, lo_b, sel0, sel1, h0, l0, h1, l1, shifted, sgn;
-mov.b32 hi_a, 0x3F3F3F00;
-mov.b32 hi_b, 0x40404040;
-mov.b32 lo_a, 0xC0800000;
-mov.b32 lo_b, 0xC0804000;
-and.b32 sel0, $4, 0x7777;
-shr.b32 sel1, $4, 16;
-and.b32 sel1, sel1, 0x7777;
-prmt.b32 h0, hi_a, hi_b, sel0;
-prmt.b32 l0, lo_a, lo_b, sel0;
-prmt.b32 h1, hi_a, hi_b, sel1;
-prmt.b32 l1, lo_a, lo_b, sel1;
-shl.b32 shifted, $4, 4;
-prmt.b32 $0, l0, h0, 0x6240;
+""" + E2M1_BF16_LUT_PTX + """prmt.b32 $0, l0, h0, 0x6240;
 prmt.b32 sgn, shifted, $4, 0x9080;
 lop3.b32 $0, $0, sgn, 0x80008000, 0xF8;
 prmt.b32 $1, l1, h1, 0x6240;

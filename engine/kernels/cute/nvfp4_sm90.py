@@ -42,31 +42,19 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
 from engine.kernels.cute.common import CompileCache, current_stream, gmem_ptr, placeholder_stream
+from engine.kernels.nvfp4 import E2M1_BF16_LUT_PTX
 
 TILE_N, TILE_K = 64, 256
 SMEM_BYTES = 227 * 1024
 
 # 4 packed bytes ($4: 8 e2m1 codes, K = 0..7, low nibble first) times a bf16x2 block scale ($5)
-# -> 4 bf16x2 words in K order ($0 = K 0,1 ... $3 = K 6,7). `prmt` looks the high and the low byte
-# of each magnitude's bf16 encoding up in 8-byte tables (0, .5, 1, 1.5, 2, 3, 4, 6 = 0x0000 3F00
-# 3F80 3FC0 4000 4040 4080 40C0) indexed by the 3-bit codes, a second `prmt` pairs them into
-# bf16x2, a third copies each code's sign bit (bit 3 of the nibble = the top bit of a byte of the
+# -> 4 bf16x2 words in K order ($0 = K 0,1 ... $3 = K 6,7). After the table lookups of
+# E2M1_BF16_LUT_PTX (engine/kernels/nvfp4.py), a second `prmt` pairs the bytes into bf16x2, a
+# third copies each code's sign bit (bit 3 of the nibble = the top bit of a byte of the
 # word or of the word shifted left by 4) over a byte with sign-replicate mode, `lop3` ORs it in.
 _DECODE_PTX = """{
 .reg .b32 hi_a, hi_b, lo_a, lo_b, sel0, sel1, h0, l0, h1, l1, shifted, sgn, v;
-mov.b32 hi_a, 0x3F3F3F00;
-mov.b32 hi_b, 0x40404040;
-mov.b32 lo_a, 0xC0800000;
-mov.b32 lo_b, 0xC0804000;
-and.b32 sel0, $4, 0x7777;
-shr.b32 sel1, $4, 16;
-and.b32 sel1, sel1, 0x7777;
-prmt.b32 h0, hi_a, hi_b, sel0;
-prmt.b32 l0, lo_a, lo_b, sel0;
-prmt.b32 h1, hi_a, hi_b, sel1;
-prmt.b32 l1, lo_a, lo_b, sel1;
-shl.b32 shifted, $4, 4;
-prmt.b32 v, l0, h0, 0x5140;
+""" + E2M1_BF16_LUT_PTX + """prmt.b32 v, l0, h0, 0x5140;
 prmt.b32 sgn, shifted, $4, 0xC080;
 lop3.b32 v, v, sgn, 0x80008000, 0xF8;
 mul.rn.bf16x2 $0, v, $5;
