@@ -23,45 +23,17 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+from benchmarks.timing import time_graph  # noqa: E402
 from engine.kernels import fp8  # noqa: E402
 
 SHAPES = [(6144, 4096), (28672, 4096), (4096, 14336)]  # (N, K): qkv, gate+up, down
 L2_BYTES = 50 * 2**20
-
-
-def time_graph(fn_per_set, sets, replays=15, min_calls=20):
-    """Median seconds per call of fn over rotating operand sets, from CUDA-graph replays."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for s in sets:  # warm-up: compiles, autotunes, allocates outside the capture
-            fn_per_set(s)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    rounds = max(1, math.ceil(min_calls / len(sets)))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(rounds):
-            for s in sets:
-                fn_per_set(s)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / (rounds * len(sets)))
-    return statistics.median(times)
 
 
 def measure_ceilings():

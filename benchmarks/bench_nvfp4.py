@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+from benchmarks.timing import time_graph  # noqa: E402
 from engine.kernels import nvfp4 as nv
 from engine.kernels import nvfp4_decode as dec
 
@@ -31,29 +32,8 @@ MS = [1, 16, 128, 1024, 8192]
 
 
 def graph_time_us(fn, calls: int, replays: int = 20) -> float:
-    """Median time of one call of fn(i) (i = 0..calls-1 selects the weight copy), via a graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(calls):  # warm up: compile, cuBLAS handles, workspace
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+    """Median µs of one call of fn(i) (i = 0..calls-1 selects the weight copy), via a graph."""
+    return 1e6 * time_graph(fn, range(calls), replays=replays, min_calls=1)
 
 
 def copy_bandwidth_gbs() -> tuple[float, float]:
