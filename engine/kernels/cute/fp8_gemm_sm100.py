@@ -28,6 +28,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
 from engine.kernels.cute.common import gmem_ptr, placeholder_stream, scaled_gemm_tensors
+from engine.kernels.cute.epilogue import scale_accumulators
 
 SMEM_BYTES = 227 * 1024
 
@@ -272,14 +273,8 @@ class Fp8GemmSm100:
 
         for sub in cutlass.range(cute.size(tTR_tAcc.shape, mode=[3])):
             cute.copy(t2r, tTR_tAcc[(None, None, None, sub)], tTR_rAcc)
-            coords = tTR_cC[(None, None, None, sub)]
-            for i in cutlass.range_constexpr(cute.size(tTR_rAcc)):
-                row, col = coords[i]
-                safe_row = cutlass.min(row, m_total - 1)
-                v = tTR_rAcc[i] * (mXs[safe_row] * mWs[col])
-                if cutlass.const_expr(self.has_residual):
-                    v = v + mR[safe_row, col].to(self.acc_dtype)
-                tTR_rAcc[i] = v
+            scale_accumulators(tTR_rAcc, tTR_cC[(None, None, None, sub)], mXs, mWs, mR, m_total,
+                               self.has_residual, self.acc_dtype)
             tRS_rOut.store(r2s.retile(tTR_rAcc).load().to(self.out_dtype))
             buf = sub % self.c_stages
             cute.copy(r2s, tRS_rOut, tRS_sC[(None, None, None, buf)])

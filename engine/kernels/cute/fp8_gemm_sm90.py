@@ -41,6 +41,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from engine.kernels.cute.common import (CompileCache, current_stream, gmem_ptr, placeholder_stream,
                                         scaled_gemm_tensors, sm_count, tensor_ptr)
+from engine.kernels.cute.epilogue import scale_accumulators
 
 # Tiles the dispatcher chooses from, largest first: (tile_m, tile_n). tile_k is 128 (four k32 WGMMAs).
 TILES = ((128, 256), (128, 128), (64, 128), (64, 64))
@@ -296,16 +297,9 @@ class Fp8GemmSm90:
                         # ptxas serialises WGMMAs while accumulator registers are read (C7514).
                         acc.store(acc.load() + acc_kt.load())
 
-                # Scales (and residual) in fp32, in the accumulator's own register layout. Rows
-                # past M are clamped for the loads; the TMA store drops them.
-                tCc = thr_mma.partition_C(cC[(None, None, tile[0], tile[1])])
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    row, col = tCc[i]
-                    safe_row = cutlass.min(row, m_total - 1)
-                    v = acc[i] * (mXs[safe_row] * mWs[col])
-                    if cutlass.const_expr(self.has_residual):
-                        v = v + mR[safe_row, col].to(self.acc_dtype)
-                    acc[i] = v
+                # Scales (and residual) in fp32; the TMA store drops rows past M.
+                scale_accumulators(acc, thr_mma.partition_C(cC[(None, None, tile[0], tile[1])]), mXs, mWs,
+                                   mR, m_total, self.has_residual, self.acc_dtype)
 
                 gC_t = cute.zipped_divide(gC[(None, None, tile[0], tile[1])], self.epi_tile)
                 bSG_sC, bSG_gC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1),
