@@ -17,18 +17,15 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import run_to_completion  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
 
 def run(engine: Engine, requests) -> None:
-    for rid, ids, params in requests:
-        engine.add_request(rid, ids, params, lambda chunk: None)
-    while engine.has_work():
-        engine.step()
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize()
+    run_to_completion(engine, requests)
+    torch.cuda.synchronize()    # the last step's kernels inside the profile
 
 
 def main(argv=None) -> None:
