@@ -42,10 +42,6 @@ class Batch:
     logits_indices: torch.Tensor         # rows whose logits are sampled, in `sampled` order
     sampled: list[ScheduledSeq]          # the sequences that get a new token this step
 
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.shape[0]
-
 
 @dataclass
 class BatchPlan:
@@ -58,10 +54,6 @@ class BatchPlan:
     num_decodes: int
     num_fills: int                       # rows whose token comes from the previous step's samples
     sampled: list[ScheduledSeq]
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.fields["input_ids"][0])
 
     def batch(self, dev: dict[str, torch.Tensor], kv_cache) -> Batch:
         """The Batch over the uploaded fields (`dev`: name -> device tensor)."""

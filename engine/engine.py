@@ -124,7 +124,11 @@ class InFlight:
     ticket: Ticket
     rows: list[tuple[Request, int]]     # per sampled row: its request, and the index in output_ids
     tokens: torch.Tensor                # the sampled tokens on the device (the next step reads them)
-    row_of: dict[Sequence, int]         # sequence -> its row in `tokens`
+
+    @property
+    def row_of(self) -> dict[Sequence, int]:
+        """Sequence -> its row in `tokens`."""
+        return {req.seq: i for i, (req, _) in enumerate(self.rows)}
 
 
 class Engine:
@@ -353,7 +357,7 @@ class Engine:
             seq.num_pending += 1
         tokens = out[0] if out else torch.empty(0, dtype=torch.int64, device=self.device)
         ticket = self.readback.send(out or [tokens])
-        return InFlight(ticket, rows, tokens, {req.seq: i for i, (req, _) in enumerate(rows)})
+        return InFlight(ticket, rows, tokens)
 
     def _finish(self, step: InFlight) -> None:
         """Read a step's tokens back (waiting for its copy only) and hand them to the requests."""
