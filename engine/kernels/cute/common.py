@@ -64,6 +64,18 @@ def scaled_gemm_tensors(a_ptr, b_ptr, xs_ptr, ws_ptr, out_ptr, res_ptr, m, n: in
             cute.make_tensor(ws_ptr, cute.make_layout(n)), matrix(out_ptr, m, n), matrix(res_ptr, m, n))
 
 
+def compile_scaled_gemm(kernel, stream=None):
+    """cute.compile of an FP8 kernel whose __call__ takes (a, b, xs, ws, out, residual pointers, m,
+    stream), for the current target, with placeholder pointers: M stays a run-time argument."""
+    import cutlass
+    import cutlass.cute as cute
+    fp8, f32, bf16 = cutlass.Float8E4M3FN, cutlass.Float32, cutlass.BFloat16
+    return cute.compile(
+        kernel, gmem_ptr(fp8), gmem_ptr(fp8), gmem_ptr(f32, align=4), gmem_ptr(f32, align=4),
+        gmem_ptr(bf16), gmem_ptr(bf16), cutlass.Int32(1),
+        stream if stream is not None else placeholder_stream(), options="--keep-ptx")
+
+
 def tensor_ptr(t: torch.Tensor, align: int = 16):
     if t.data_ptr() % align:
         raise ValueError(f"tensor data pointer must be {align}-byte aligned")

@@ -27,7 +27,7 @@ import cutlass.utils.blackwell_helpers as sm100
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
-from engine.kernels.cute.common import gmem_ptr, placeholder_stream, scaled_gemm_tensors
+from engine.kernels.cute.common import compile_scaled_gemm, scaled_gemm_tensors
 from engine.kernels.cute.epilogue import scale_accumulators
 
 SMEM_BYTES = 227 * 1024
@@ -52,11 +52,7 @@ class Fp8GemmSm100:
         self.c_stages = 2
 
     def compile(self):
-        fp8, f32, bf16 = cutlass.Float8E4M3FN, cutlass.Float32, cutlass.BFloat16
-        return cute.compile(
-            self, gmem_ptr(fp8), gmem_ptr(fp8), gmem_ptr(f32, align=4), gmem_ptr(f32, align=4),
-            gmem_ptr(bf16), gmem_ptr(bf16), cutlass.Int32(1), placeholder_stream(),
-            options="--keep-ptx")
+        return compile_scaled_gemm(self)
 
     # ---------------------------------------------------------------- host side
     @cute.jit

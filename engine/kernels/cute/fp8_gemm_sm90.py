@@ -39,8 +39,8 @@ import torch
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from engine.kernels.cute.common import (CompileCache, current_stream, gmem_ptr, placeholder_stream,
-                                        scaled_gemm_tensors, sm_count, tensor_ptr)
+from engine.kernels.cute.common import (CompileCache, compile_scaled_gemm, current_stream, scaled_gemm_tensors,
+                                        sm_count, tensor_ptr)
 from engine.kernels.cute.epilogue import scale_accumulators
 
 # Tiles the dispatcher chooses from, largest first: (tile_m, tile_n). tile_k is 128 (four k32 WGMMAs).
@@ -99,11 +99,7 @@ class Fp8GemmSm90:
 
     def compile(self, stream=None):
         """Compile for the current target with placeholder pointers (M stays a run-time argument)."""
-        fp8, f32, bf16 = cutlass.Float8E4M3FN, cutlass.Float32, cutlass.BFloat16
-        return cute.compile(
-            self, gmem_ptr(fp8), gmem_ptr(fp8), gmem_ptr(f32, align=4), gmem_ptr(f32, align=4),
-            gmem_ptr(bf16), gmem_ptr(bf16), cutlass.Int32(1),
-            stream if stream is not None else placeholder_stream(), options="--keep-ptx")
+        return compile_scaled_gemm(self, stream)
 
     # ---------------------------------------------------------------- host side (traced once)
     @cute.jit
