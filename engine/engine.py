@@ -23,7 +23,7 @@ import torch
 from engine.batch import PLACEHOLDER, build_prefill_only, plan_batch
 from engine.config import EngineConfig, resolve_device, resolve_dtype
 from engine.kernels.norms import set_fused_kernels, triton_available
-from engine.linear import convert_model, input_channel_norms
+from engine.linear import convert_model, input_channel_norms, move_dense
 from engine.memory.host_ring import PinnedRing
 from engine.memory.kv_cache import KVCache
 from engine.quality import calibration_windows
@@ -140,19 +140,26 @@ class Engine:
         self.streams = StepStreams(self.device) if self.device.type == "cuda" else FakeStreams(keep_log=False)
         # A process-wide switch: engines in one process share the setting of the last one built.
         set_fused_kernels(config.fused_kernels)
-        loaded = models.loader.load_model(config.model, self.device, self.dtype, seed=config.seed,
-                                          tokenizer=config.tokenizer)
+        # Under a memory limit the model may not fit the device: it is loaded into host memory and
+        # the decoder layers go to the device one at a time (_place_layers).
+        layerwise = config.gpu_memory_limit is not None or config.offload
+        if layerwise and config.sparse_ffn == "wanda":
+            raise ValueError("sparse_ffn='wanda' calibrates on the whole resident model: it does not combine "
+                             "with offload / gpu_memory_limit (use sparse_ffn='magnitude')")
+        loaded = models.loader.load_model(config.model, torch.device("cpu") if layerwise else self.device,
+                                          self.dtype, seed=config.seed, tokenizer=config.tokenizer,
+                                          draw_device=self.device)
         self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
         self.model_config = cfg = self.model.config
-        if config.weights != "bf16" or config.sparse_ffn:
+        self.streamer = None
+        if layerwise:
+            self.streamer = self._place_layers()
+        elif config.weights != "bf16" or config.sparse_ffn:
             norms = None
             if config.sparse_ffn == "wanda":
                 windows = calibration_windows(self.tokenizer)
                 norms = input_channel_norms(self.model, lambda: self.hidden_states(windows, check=False))
             convert_model(self.model, config.weights, config.sparse_ffn, norms)
-        self.streamer = None
-        if config.gpu_memory_limit is not None or config.offload:
-            self.streamer = self._stream_layers()
         self.eos_ids = set(cfg.eos_token_ids)
         self.max_model_len = min(config.max_model_len or min(cfg.max_position_embeddings, 8192),
                                  cfg.max_position_embeddings)
@@ -213,28 +220,47 @@ class Engine:
         return sum(t.nbytes for t in (m.embed_tokens.weight, m.norm.weight,
                                       *(() if m.lm_head is None else (m.lm_head.weight,))))
 
-    def _stream_layers(self):
-        """Plan which decoder layers fit in gpu_memory_limit beside the KV cache, and stream the rest
-        from pinned host memory (engine/streams/offload.py). On the CPU the streamer runs on no-op
-        streams, which exercises the same plumbing."""
+    def _place_layers(self):
+        """Move a model loaded into host memory to the device under gpu_memory_limit: the weights
+        outside the decoder layers first, then each layer in turn (moved, converted to its weight
+        format); the layers the plan streams go on to pinned host memory before the next one comes,
+        so the device never holds more than the resident layers plus one (engine/streams/offload.py).
+        On the CPU the streamer runs on no-op streams, which exercises the same plumbing."""
         from engine.streams import LayerStreamer, layer_stream_bytes, plan_offload
         c, model = self.config, self.model
-        sizes = [layer_stream_bytes(layer) for layer in model.layers]
+        for name, module in model.named_children():
+            if name != "layers":
+                move_dense(module, self.device)
+        model.inv_freq = model.inv_freq.to(self.device)
+
+        def place(i):
+            move_dense(model.layers[i], self.device)
+            convert_model(model, c.weights, c.sparse_ffn, layers=[i])
+
+        place(0)    # Llama's layers are alike: the first one, converted, sizes the plan
+        n = len(model.layers)
         kv = (c.kv_cache_tokens or OFFLOAD_KV_TOKENS) * self._kv_bytes_per_token() + self._activation_reserve()
         if c.gpu_memory_limit is not None:
             limit = int(c.gpu_memory_limit * 2**30)
         elif self.device.type == "cuda":
             limit = torch.cuda.mem_get_info(self.device)[1]     # offload: the whole device
         else:
-            return None     # offload without a limit: the CPU has no device memory to fit
-        plan = plan_offload(sizes, self._non_layer_bytes(), limit, kv)
-        log.info("device memory limit %.2f GiB: %d of %d decoder layers streamed from pinned host memory",
-                 limit / 2**30, len(plan.offloaded_layers), len(sizes))
-        if not plan.offloads:
-            return None
-        streamer = LayerStreamer(model.layers, plan, self.streams, device=self.device)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()    # the streamed layers' device copies are gone
+            limit = None    # offload without a limit: the CPU has no device memory to fit
+        plan = None
+        if limit is not None:
+            plan = plan_offload([layer_stream_bytes(model.layers[0])] * n, self._non_layer_bytes(), limit, kv)
+            log.info("device memory limit %.2f GiB: %d of %d decoder layers streamed from pinned host memory",
+                     limit / 2**30, len(plan.offloaded_layers), n)
+        streamer = None
+        if plan is not None and plan.offloads:
+            streamer = LayerStreamer(model.layers, plan, self.streams, device=self.device, adopt=False)
+        for i in range(n):
+            if i:
+                place(i)
+            if streamer is not None and i in plan.offloaded_layers:
+                streamer.adopt(i)
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()    # the layer's device copy is gone: give its memory back
         return streamer
 
     def _capture_graphs(self) -> None:

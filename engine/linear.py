@@ -111,15 +111,19 @@ class Linear(nn.Module):
 
 
 def convert_model(model, weights: str = "bf16", sparse_ffn: str | None = None,
-                  input_norms: dict[str, torch.Tensor] | None = None) -> None:
-    """Put every decoder GEMM in its configured format. With `sparse_ffn` the FFN GEMMs are pruned
-    to 2:4 along K: by |W| ("magnitude") or by |W| x the L2 norm of each input channel's activations
-    ("wanda", which needs `input_norms` from `input_channel_norms`)."""
+                  input_norms: dict[str, torch.Tensor] | None = None, layers: list[int] | None = None) -> None:
+    """Put every decoder GEMM in its configured format (only those of decoder layers `layers`, when
+    given: loading layer by layer). With `sparse_ffn` the FFN GEMMs are pruned to 2:4 along K: by
+    |W| ("magnitude") or by |W| x the L2 norm of each input channel's activations ("wanda", which
+    needs `input_norms` from `input_channel_norms`)."""
     if sparse_ffn and weights == "nvfp4":
         raise ValueError("sparse_ffn: 2:4 sparsity combines with bf16 or fp8 weights, not nvfp4")
     if sparse_ffn == "wanda" and input_norms is None:
         raise ValueError("sparse_ffn: wanda pruning needs calibration activation norms")
+    prefixes = None if layers is None else tuple(f"layers.{i}." for i in layers)
     for name, lin in model.linear_layers():
+        if prefixes is not None and not name.startswith(prefixes):
+            continue
         if sparse_ffn and ".mlp." in name:
             score = None
             if sparse_ffn == "wanda":
@@ -129,6 +133,21 @@ def convert_model(model, weights: str = "bf16", sparse_ffn: str | None = None,
             lin.convert("2:4+fp8" if weights == "fp8" else "2:4", score=score)
         elif weights != "bf16":
             lin.convert(weights)
+
+
+def move_dense(module: nn.Module, device: torch.device) -> None:
+    """Move a module whose Linears are still dense (just loaded, not converted) to `device`, in
+    place. Module.to() would move each Linear's parameter but not the backend's alias of it, so the
+    backend is rebuilt on the moved weight."""
+    for sub in module.modules():
+        for tensors in (sub._parameters, sub._buffers):
+            for t in tensors.values():
+                if t is not None and t.device != device:
+                    t.data = t.data.to(device)
+        if isinstance(sub, Linear):
+            if not isinstance(sub.backend, DenseWeight):
+                raise ValueError("move_dense: convert the weight formats after moving, not before")
+            sub.backend = DenseWeight(sub.weight.data)
 
 
 @torch.inference_mode()

@@ -1,6 +1,7 @@
 """Loading a Llama model: the embedded GGUF (SmolLM2), an HF safetensors directory, or a shape preset.
 
-Every path fills one `LlamaForCausalLM` built on the target device in the target dtype; weights are
+Every path fills one `LlamaForCausalLM` built on the target device (host memory when the engine
+places the layers one at a time under a memory limit) in the target dtype; weights are
 copied in tensor by tensor (q/k/v and gate/up fused on the way), so the peak host memory is one
 tensor, not the checkpoint.
 """
@@ -46,11 +47,14 @@ def embedded_gguf_path() -> str:
 
 
 def load_model(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0,
-               tokenizer: str | None = None) -> LoadedModel:
+               tokenizer: str | None = None, draw_device: torch.device | None = None) -> LoadedModel:
+    """draw_device: where a shape preset's random weights are drawn (default `device`), so that a
+    model loaded into host memory for layer-by-layer placement gets the same weights as one loaded
+    straight onto that device."""
     if name == EMBEDDED:
         return load_gguf(embedded_gguf_path(), device, dtype, name=name)
     if name in SHAPE_PRESETS:
-        return load_preset(name, device, dtype, seed, tokenizer)
+        return load_preset(name, device, dtype, seed, tokenizer, draw_device)
     if os.path.isdir(name):
         return load_hf_dir(name, device, dtype)
     if os.path.isfile(name) and name.endswith(".gguf"):
@@ -68,21 +72,25 @@ def _progress(total, desc):
 
 # ---------------------------------------------------------------- shape presets (random weights)
 
-def load_preset(name: str, device, dtype, seed: int, tokenizer: str | None = None) -> LoadedModel:
+def load_preset(name: str, device, dtype, seed: int, tokenizer: str | None = None,
+                draw_device=None) -> LoadedModel:
     cfg = LlamaConfig(**{**SHAPE_PRESETS[name].__dict__})
     tok = preset_tokenizer(tokenizer)
     cfg.bos_token_id = tok.bos_token_id
     cfg.eos_token_ids = [tok.eos_token_id]
     model = LlamaForCausalLM(cfg, device=device, dtype=dtype)
-    gen = torch.Generator(device=device).manual_seed(seed)
+    draw_device = torch.device(draw_device or device)
+    gen = torch.Generator(device=draw_device).manual_seed(seed)
     params = list(model.named_parameters())
     with _progress(len(params), f"random {name}") as bar:
         for pname, p in params:
             if pname.endswith("norm.weight"):
                 p.data.fill_(1.0)
-            else:
+            elif p.device == draw_device:
                 # std 0.02 as in Llama's init; drawn on the device, so an 8B preset takes seconds.
                 p.data.normal_(0.0, 0.02, generator=gen)
+            else:   # the same draws as on draw_device (same generator, same order), copied over
+                p.data.copy_(torch.empty_like(p, device=draw_device).normal_(0.0, 0.02, generator=gen))
             bar.update()
     return LoadedModel(model, tok, name, "preset")
 

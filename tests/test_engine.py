@@ -173,6 +173,54 @@ def test_layers_streamed_under_a_memory_limit_give_the_same_tokens():
         LLM("llama-tiny", gpu_memory_limit=0.001, **kw)
 
 
+def test_layers_are_placed_one_at_a_time_under_a_memory_limit(monkeypatch):
+    """Under a memory limit the model is read into host memory and each decoder layer is moved to
+    the device, converted, and (if it streams) handed to pinned host memory before the next one is
+    moved: the device never holds the whole model. Here with fp8 weights, converted per layer, the
+    tokens equal those of the resident fp8 model."""
+    import engine.engine as engine_module
+    from engine.streams import LayerStreamer, layer_stream_bytes
+    kw = dict(device="cpu", dtype="fp32", weights="fp8", kv_cache_tokens=2048, max_num_batched_tokens=256,
+              max_num_seqs=16)
+    prompts = [list(range(30, 30 + n)) for n in (7, 60)]
+    p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    resident = LLM("llama-tiny", **kw)
+    try:
+        want = [o.token_ids for o in resident.generate(prompts, p)]
+        e = resident.engine
+        base = e._non_layer_bytes() + 2048 * e._kv_bytes_per_token() + e._activation_reserve()
+        limit_gib = (base + 3.5 * layer_stream_bytes(e.model.layers[0])) / 2**30
+    finally:
+        resident.shutdown(timeout=1)
+    events = []
+    move_dense, adopt = engine_module.move_dense, LayerStreamer.adopt
+
+    def spy_move(module, device):
+        events.append(("move", module.self_attn.layer_idx if hasattr(module, "self_attn") else None))
+        move_dense(module, device)
+
+    def spy_adopt(self, i):
+        assert self.layers[i].mlp.gate_up_proj.backend.name != "dense", "adopted before conversion"
+        events.append(("adopt", i))
+        adopt(self, i)
+    monkeypatch.setattr(engine_module, "move_dense", spy_move)
+    monkeypatch.setattr(LayerStreamer, "adopt", spy_adopt)
+    streamed = LLM("llama-tiny", gpu_memory_limit=limit_gib, **kw)
+    try:
+        order = streamed.engine.streamer.order
+        assert len(order) == 3
+        layer_events = [ev for ev in events if ev != ("move", None)]
+        expect = []
+        for i in range(4):
+            expect.append(("move", i))
+            if i in order:
+                expect.append(("adopt", i))
+        assert layer_events == expect
+        assert [o.token_ids for o in streamed.generate(prompts, p)] == want
+    finally:
+        streamed.shutdown(timeout=1)
+
+
 # ----------------------------------------------------------------------------- pipelined steps
 
 def _mixed_requests(tokenizer):
@@ -291,6 +339,41 @@ def test_gpu_overlap_and_offload_give_the_same_tokens():
         finally:
             gpu.shutdown(timeout=1)
     assert results[0] == results[1] == results[2]
+
+
+@pytest.mark.gpu
+def test_gpu_model_larger_than_the_memory_limit_loads_and_runs_within_it():
+    """llama-3.2-1b shapes in bf16 (2.5 GB of weights) under a 1.8 GiB device memory limit: the model
+    never fits the device at once, loads layer by layer, and neither the load nor generation
+    allocates more than the limit; the tokens equal the resident model's (both eager)."""
+    import gc
+    kw = dict(device="cuda", dtype="bf16", kv_cache_tokens=4096, max_num_batched_tokens=2048, max_num_seqs=16,
+              cuda_graphs=False)
+    prompts = [list(range(100 + i, 100 + i + n)) for i, n in enumerate([3, 50, 200])]
+    p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    resident = LLM("llama-3.2-1b", **kw)
+    try:
+        want = [o.token_ids for o in resident.generate(prompts, p)]
+        model = resident.engine.model
+        weight_bytes = sum(t.nbytes for t in model.parameters())
+    finally:
+        resident.shutdown(timeout=1)
+    del resident, model
+    gc.collect()
+    torch.cuda.empty_cache()
+    limit = 1.8 * 2**30
+    assert weight_bytes > limit
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    streamed = LLM("llama-3.2-1b", gpu_memory_limit=limit / 2**30, **kw)
+    try:
+        assert streamed.engine.streamer is not None
+        got = [o.token_ids for o in streamed.generate(prompts, p)]
+        peak = torch.cuda.max_memory_allocated() - before
+        assert peak <= limit, f"peak {peak / 2**30:.2f} GiB over the {limit / 2**30:.2f} GiB limit"
+        assert got == want
+    finally:
+        streamed.shutdown(timeout=1)
 
 
 def test_engine_reads_each_steps_tokens_after_queuing_the_next():

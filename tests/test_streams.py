@@ -325,7 +325,7 @@ def test_streamer_without_prefetch_serialises_copy_and_compute():
 def test_streamer_refuses_layers_on_another_device():
     layer = torch.nn.Linear(4, 4)
     plan = OffloadPlan([], [0], 2 * layer_stream_bytes(layer))
-    with pytest.raises(ValueError, match="build the model on the device"):
+    with pytest.raises(ValueError, match="move it to the device first"):
         LayerStreamer([layer], plan, FakeStreams(), device="meta")
 
 

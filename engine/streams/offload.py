@@ -201,30 +201,19 @@ class LayerStreamer:
     on the compute stream, and the compute stream waits for that copy: copy and compute serialise
     (the baseline the prefetch is measured against). The attribute may be flipped between forwards."""
 
-    def __init__(self, layers, plan: OffloadPlan, streams, device=None, prefetch: bool = True):
+    def __init__(self, layers, plan: OffloadPlan, streams, device=None, prefetch: bool = True,
+                 adopt: bool = True):
+        """adopt=True: every streamed layer is on the device now and moves to host memory at once.
+        adopt=False: the caller hands each streamed layer over with `adopt(i)` as soon as it is on
+        the device, which is how a model larger than the device loads (one layer there at a time)."""
         self.layers, self.streams = list(layers), streams
         self.prefetch = prefetch
         self.order = list(plan.offloaded_layers)
         device = torch.device(device) if device is not None else streams.device
-        self.blobs = blobs = {i: LayerBlob(self.layers[i]) for i in self.order}
-        self.buffer_bytes = max((b.nbytes for b in blobs.values()), default=0)
+        self.buffer_bytes = plan.buffer_bytes // 2
         self.buffers = [torch.empty(self.buffer_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
-        for i, blob in blobs.items():
-            elsewhere = {str(p.tensor.device) for p in blob.placed if p.tensor.device != self.buffers[0].device}
-            if elsewhere:
-                raise ValueError(f"LayerStreamer: layer {i} holds tensors on {', '.join(sorted(elsewhere))}, "
-                                 f"not on {self.buffers[0].device}: build the model on the device (torch "
-                                 "repoints a tensor in place only within one device)")
-        host = streams.host_empty(sum(b.nbytes for b in blobs.values()))   # one pinned allocation
-        self.host: dict[int, torch.Tensor] = {}
-        offset = 0
-        for i in self.order:
-            self.host[i] = host[offset:offset + blobs[i].nbytes]
-            blobs[i].fill(self.host[i])
-            # A tensor cannot move between devices in place, so a streamed layer's tensors always
-            # point into a device buffer (the pre-hook picks which); this frees their old storage.
-            blobs[i].point_at(self.buffers[0])
-            offset += blobs[i].nbytes
+        self.blobs: dict[int, LayerBlob] = {}
+        self.host: dict[int, torch.Tensor] = {}     # pinned, one allocation per layer
         self.ready = [streams.new_event(f"ready{b}") for b in range(2)]
         self.done = [streams.new_event(f"done{b}") for b in range(2)]
         self.issued = streams.new_event("issued")     # prefetch=False: the compute reached a layer
@@ -232,12 +221,34 @@ class LayerStreamer:
         self.active: dict[int, int] = {}               # layer -> buffer, while it runs
         self.copied_bytes = 0
         self._serial_buffer = 0                        # prefetch=False alternates the two buffers
-        if prefetch:
-            for b, i in enumerate(self.order[:2]):
-                self._load(i, b)
         for i in self.order:
             self.layers[i].register_forward_pre_hook(self._pre_hook(i))
             self.layers[i].register_forward_hook(self._post_hook(i))
+            if adopt:
+                self.adopt(i)
+
+    def adopt(self, i: int) -> None:
+        """Move streamed layer i (on the device, in its final weight format) to pinned host memory."""
+        if i not in self.order or i in self.blobs:
+            raise ValueError(f"LayerStreamer: layer {i} is not a streamed layer waiting to be adopted")
+        blob = LayerBlob(self.layers[i])
+        elsewhere = {str(p.tensor.device) for p in blob.placed if p.tensor.device != self.buffers[0].device}
+        if elsewhere:
+            raise ValueError(f"LayerStreamer: layer {i} holds tensors on {', '.join(sorted(elsewhere))}, "
+                             f"not on {self.buffers[0].device}: move it to the device first (torch "
+                             "repoints a tensor in place only within one device)")
+        if blob.nbytes > self.buffer_bytes:
+            raise ValueError(f"LayerStreamer: layer {i} takes {blob.nbytes} bytes, more than the planned "
+                             f"buffer of {self.buffer_bytes}")
+        self.blobs[i] = blob
+        self.host[i] = self.streams.host_empty(blob.nbytes)
+        blob.fill(self.host[i])
+        # A tensor cannot move between devices in place, so a streamed layer's tensors always point
+        # into a device buffer (the pre-hook picks which); this frees their old storage.
+        blob.point_at(self.buffers[0])
+        b = self.order.index(i)
+        if self.prefetch and b < 2:     # the first two streamed layers wait in the buffers
+            self._load(i, b)
 
     def _load(self, layer: int, b: int) -> None:
         s = self.streams
@@ -253,6 +264,8 @@ class LayerStreamer:
 
     def _pre_hook(self, layer: int):
         def hook(module, args):
+            if layer not in self.blobs:
+                raise RuntimeError(f"LayerStreamer: streamed layer {layer} runs before it was adopted")
             if not self.prefetch:
                 # Serialised: the copy starts only when the compute has reached this layer, and
                 # the layer waits for it. Both buffers take turns, as with the prefetch.
