@@ -285,6 +285,20 @@ def test_sm90_every_tile_both_accumulation_modes_and_residual():
 
 
 @pytest.mark.gpu
+def test_sm90_every_tile_order():
+    # Grouped tile orders visit every output tile exactly once (poisoned output fully written), for
+    # M not a multiple of the tile and more row-blocks than SMs' worth of tiles per group.
+    from engine.kernels.cute.fp8_gemm_sm90 import fp8_gemm_sm90
+    m, n, k = 2000, 2048, 512
+    qx, xs, qw, ws = gpu_operands(m, n, k, seed=11)
+    for swizzle in (1, 2, 4, 8, 16):
+        check_kernel(lambda out: fp8_gemm_sm90(qx, xs, qw, ws, tile_mn=(128, 128), out=out, swizzle=swizzle),
+                     qx, xs, qw, ws, None)
+    with pytest.raises(ValueError, match="does not divide"):
+        fp8_gemm_sm90(qx, xs, qw, ws, tile_mn=(128, 128), swizzle=3)
+
+
+@pytest.mark.gpu
 def test_sm90_compiles_once_for_every_m():
     from engine.kernels.cute import fp8_gemm_sm90 as sm90
     n, k = 512, 1024

@@ -21,6 +21,11 @@ accumulator and adds it into the true fp32 accumulator with ordinary FADDs (the 
 cuBLAS does unless use_fast_accum=True). That needs two accumulators in registers, which caps the
 tile at 128 x 128; fast_accum=True keeps one accumulator and allows 128 x 256.
 
+Tile order (L2 reuse): the persistent CTAs walk the output tiles in column groups of `swizzle` N
+tiles, row by row within a group, so one wave of 132 tiles touches 132/swizzle row-blocks of A and `swizzle`
+column-blocks of B (e.g. 8 MB + 4 MB at 128 x 128 tiles, swizzle 8, K = 4096) instead of a whole
+column of A tiles (32 MB at M = 8192), which L2 cannot hold beside the B stream.
+
 M is a run-time argument: TMA zero-fills rows of A past M and clips the stores, so any M >= 1
 works with one compiled kernel. N and K are compile-time constants (multiples of 64).
 """
@@ -51,6 +56,12 @@ TILE_K = 128
 SMEM_BYTES = 227 * 1024
 
 
+def choose_swizzle(n_tiles: int) -> int:
+    """The largest group of N tiles (<= 8) that divides the N tiles: a group that does not divide
+    them would round N up and schedule tiles past the matrix."""
+    return next(s for s in (8, 4, 2, 1) if n_tiles % s == 0)
+
+
 def check_shapes(n: int, k: int) -> None:
     if n % 64 or k % 64:
         raise ValueError(f"fp8 sm90 GEMM needs N and K to be multiples of 64, got N={n}, K={k}")
@@ -69,16 +80,20 @@ def choose_tile(m: int, n: int, num_sms: int, fast_accum: bool = False) -> tuple
 
 
 class Fp8GemmSm90:
-    """Compile-time configuration: tile shape, N, K, residual or not, accumulation mode, SM count."""
+    """Compile-time configuration: tile shape, N, K, residual or not, accumulation mode, SM count,
+    tile-order group (swizzle)."""
 
     def __init__(self, tile_mn: tuple[int, int], n: int, k: int, has_residual: bool, num_sms: int,
-                 fast_accum: bool = False):
+                 fast_accum: bool = False, swizzle: int | None = None):
         check_shapes(n, k)
         self.tile_m, self.tile_n = tile_mn
         if tuple(tile_mn) not in (TILES if fast_accum else PRECISE_TILES) or n % self.tile_n:
             raise ValueError(f"tile {tile_mn} is not available for N={n}, fast_accum={fast_accum}")
         self.fast_accum = fast_accum
         self.n, self.k = n, k
+        self.swizzle = swizzle or choose_swizzle(n // self.tile_n)
+        if (n // self.tile_n) % self.swizzle:
+            raise ValueError(f"swizzle {self.swizzle} does not divide the {n // self.tile_n} N tiles")
         self.has_residual = has_residual
         self.num_sms = num_sms
         self.tile_mnk = (self.tile_m, self.tile_n, TILE_K)
@@ -127,7 +142,8 @@ class Fp8GemmSm90:
             self.epi_tile)
 
         tiles_mnl = (cute.ceil_div(m, self.tile_m), n // self.tile_n, 1)
-        sched_params = utils.PersistentTileSchedulerParams(tiles_mnl, (1, 1, 1))
+        sched_params = utils.PersistentTileSchedulerParams(tiles_mnl, (1, 1, 1), swizzle_size=self.swizzle,
+                                                           raster_along_m=True)
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched_params, self.num_sms)
 
         @cute.struct
@@ -330,19 +346,22 @@ def sm_count_or_default() -> int:
 _cache = CompileCache()
 
 
-def compiled_kernel(tile_mn, n: int, k: int, has_residual: bool, fast_accum: bool):
+def compiled_kernel(tile_mn, n: int, k: int, has_residual: bool, fast_accum: bool, swizzle: int | None = None):
     num_sms = sm_count_or_default()
-    return _cache.get((tile_mn, n, k, has_residual, fast_accum, num_sms),
+    swizzle = swizzle or choose_swizzle(n // tile_mn[1])
+    return _cache.get((tile_mn, n, k, has_residual, fast_accum, num_sms, swizzle),
                       lambda: Fp8GemmSm90(tile_mn, n, k, has_residual, num_sms,
-                                          fast_accum).compile(current_stream()))
+                                          fast_accum, swizzle).compile(current_stream()))
 
 
 def fp8_gemm_sm90(qx: torch.Tensor, x_scale: torch.Tensor, qw: torch.Tensor, w_scale: torch.Tensor,
                   residual: torch.Tensor | None = None, tile_mn: tuple[int, int] | None = None,
-                  out: torch.Tensor | None = None, fast_accum: bool = False) -> torch.Tensor:
+                  out: torch.Tensor | None = None, fast_accum: bool = False,
+                  swizzle: int | None = None) -> torch.Tensor:
     """bf16 [M, N] = (qx @ qw^T) * x_scale[:, None] * w_scale (+ residual). CUDA tensors, Hopper.
 
-    tile_mn overrides the tile choice (tests cover every tile); out is written in place if given;
+    tile_mn and swizzle override the tile and tile-order choices (tests cover every tile, the
+    benchmark's sweep every order); out is written in place if given;
     fast_accum skips the per-k-tile promotion (faster, ~2x the error: see the module docstring).
     """
     m, k = qx.shape
@@ -364,7 +383,7 @@ def fp8_gemm_sm90(qx: torch.Tensor, x_scale: torch.Tensor, qw: torch.Tensor, w_s
         if residual.shape != (m, n):
             raise ValueError(f"residual must be [{m}, {n}], got {tuple(residual.shape)}")
     tile_mn = tile_mn or choose_tile(m, n, sm_count(), fast_accum)
-    fn = compiled_kernel(tuple(tile_mn), n, k, residual is not None, fast_accum)
+    fn = compiled_kernel(tuple(tile_mn), n, k, residual is not None, fast_accum, swizzle)
     fn(tensor_ptr(qx), tensor_ptr(qw), tensor_ptr(x_scale, 4), tensor_ptr(w_scale, 4),
        tensor_ptr(out), tensor_ptr(residual if residual is not None else out), m, current_stream())
     return out
