@@ -78,15 +78,22 @@ def test_compress_decompress_exact(dtype):
 
 # ----------------------------------------------------------------------------- Triton kernel (interpreter)
 
+def _cfg(kernel, tile):
+    """A launch tuple for the interpreter tests: (kernel, BLOCK_M) + (BLOCK_N, BLOCK_K, SPLIT_K) +
+    (warps, stages), and for the MMA kernel the groups per thread and chunk, CH."""
+    cfg = (kernel, 4 if kernel == "fma" else 16) + tile + (4, 1)
+    return cfg + (min(8, tile[1] // 16),) if kernel == "mma" else cfg
+
+
 @interpreter
-@pytest.mark.parametrize("kernel", ["fma", "wtile", "xsplit"])
+@pytest.mark.parametrize("kernel", ["fma", "wtile", "xsplit", "mma"])
 @pytest.mark.parametrize("m,n,k,tile", [
     (1, 48, 128, (16, 64, 1)),
     (5, 40, 200, (32, 128, 1)),  # tails in N and K
     (19, 32, 128, (16, 64, 2)),  # two M tiles, split-K
 ])
 def test_decode_kernel_interpreter(kernel, m, n, k, tile):
-    cfg = (kernel, 4 if kernel == "fma" else 16) + tile + (4, 1)
+    cfg = _cfg(kernel, tile)
     w = s24.prune_24(torch.randn(n, k, dtype=torch.bfloat16))
     t = s24.compress_24(w)
     x = torch.randn(m, k, dtype=torch.bfloat16)
@@ -96,16 +103,79 @@ def test_decode_kernel_interpreter(kernel, m, n, k, tile):
 
 
 @interpreter
-@pytest.mark.parametrize("kernel", ["fma", "wtile", "xsplit"])
+@pytest.mark.parametrize("kernel", ["fma", "wtile", "xsplit", "mma"])
 def test_decode_kernel_fp8_values_interpreter(kernel):
     w = s24.prune_24(torch.randn(32, 128))
     t = s24.compress_24(w)
     q, scale = quantize_rows_fp8(t.values)
     x = torch.randn(3, 128, dtype=torch.bfloat16)
-    cfg = (kernel, 4 if kernel == "fma" else 16, 16, 64, 1, 4, 1)
+    cfg = _cfg(kernel, (16, 64, 1))
     y = s24.sparse24_mm(x, q, t.meta, scale, config=cfg)
     w8 = s24.decompress_24(s24.Sparse24Tensor(q, t.meta, t.shape), torch.float32) * scale[:, None]
     assert rel_err(y, fp64_ref(x, w8)) < 8e-3
+
+
+def _run_ptx(src: str, regs: dict) -> dict:
+    """Execute the straight-line PTX of sparse24_triton._DECODE_PTX on 32-bit Python integers."""
+    r = dict(regs)
+
+    def val(o):
+        return r[o] if o in r else int(o, 0)
+    for line in src.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line[0] in "{}.":
+            continue
+        op, rest = line.split(None, 1)
+        d, *a = [s.strip() for s in rest.split(",")]
+        if op == "mov.b32":
+            r[d] = val(a[0])
+        elif op == "shl.b32":
+            r[d] = (val(a[0]) << val(a[1])) & 0xFFFFFFFF if val(a[1]) < 32 else 0
+        elif op == "shr.b32":
+            r[d] = val(a[0]) >> val(a[1])
+        elif op == "and.b32":
+            r[d] = val(a[0]) & val(a[1])
+        elif op == "add.u32":
+            r[d] = (val(a[0]) + val(a[1])) & 0xFFFFFFFF
+        elif op == "sub.u32":
+            r[d] = (val(a[0]) - val(a[1])) & 0xFFFFFFFF
+        elif op == "prmt.b32":  # default mode: selector nibble = byte index of {b, a}, bit 3 = sign replicate
+            src8 = val(a[0]).to_bytes(4, "little") + val(a[1]).to_bytes(4, "little")
+            out = 0
+            for i in range(4):
+                sel = (val(a[2]) >> (4 * i)) & 15
+                byte = src8[sel & 7]
+                out |= ((0xFF if byte & 0x80 else 0) if sel & 8 else byte) << (8 * i)
+            r[d] = out
+        else:
+            raise AssertionError(f"unmodelled instruction {op}")
+    return r
+
+
+@pytest.mark.parametrize("pack", [8, 16])
+@pytest.mark.parametrize("i0,i1", [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)])
+def test_mma_decode_ptx_places_each_value(i0, i1, pack):
+    """The MMA kernel's prmt decode, instruction by instruction: for each row and k16 step of a
+    fragment, the kept values land at their positions of the A registers (positions 0, 1 in
+    register r8 + 4b, 2, 3 in r8 + 2 + 4b) and the others are zero. pack = 16 takes the meta
+    byte (step b's nibble at bit 4b), pack = 8 the nibble."""
+    from engine.kernels.sparse24_triton import _decode_ptx
+    g = torch.Generator().manual_seed(i0 * 4 + i1 + pack)
+    n_out = pack // 2
+    for b in range(pack // 8):
+        for r8 in (0, 1):
+            v0, v1 = (int(v) for v in torch.randint(1, 1 << 16, (2,), generator=g))
+            regs = {f"${j}": int(torch.randint(0, 1 << 31, (), generator=g)) for j in range(3 * n_out + pack)}
+            e = 2 * r8 + 8 * b
+            other = int(torch.randint(0, 16, (), generator=g))  # the other step's nibble
+            regs[f"${n_out + e}"] = v0 | v1 << 16
+            nib = i0 | i1 << 2
+            regs[f"${n_out + pack + e}"] = nib if pack == 8 else (other << 4 | nib if b == 0 else nib << 4 | other)
+            r = _run_ptx(_decode_ptx(pack), regs)
+            dense = [0] * 4
+            dense[i0], dense[i1] = v0, v1
+            lo, hi = r[f"${r8 + 4 * b}"], r[f"${r8 + 2 + 4 * b}"]
+            assert [lo & 0xFFFF, lo >> 16, hi & 0xFFFF, hi >> 16] == dense
 
 
 # ----------------------------------------------------------------------------- backends (CPU reference path)
@@ -149,8 +219,8 @@ GPU_SHAPES = [(1, 4096, 1024), (7, 1000, 512), (16, 2048, 4096), (33, 1536, 576)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [(1, 4096, 1024), (3, 2048, 1024), (7, 1000, 520), (33, 1536, 576),
-                                   (130, 512, 1024)])
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 1024), (3, 2048, 1024), (7, 1000, 520), (16, 1000, 4096),
+                                   (20, 768, 1032), (33, 1536, 576), (130, 512, 1024)])
 def test_gpu_decode_kernel_all_configs(m, n, k):
     w, x = _gpu_case(m, n, k, m * 7 + n)
     t = s24.compress_24(w)

@@ -6,8 +6,9 @@ the kept values [N, K/2] plus a 4-bit nibble per group (two 2-bit positions), 56
 Two regimes, two kinds of kernel, one dispatch:
 - decode (small M): `sparse24_mm`, Triton kernels (sparse24_triton.py) that stream the compressed
   weight, ~56% of the dense bytes with bf16 values or ~31% with fp8 values (weight-only: the
-  activations stay bf16): a CUDA-core FMA kernel and two tensor-core ones, tuned per shape
-  (measured on an H200: the FMA kernel wins at M = 1, the tensor-core weight-tile kernel at M = 16).
+  activations stay bf16), tuned per shape. Measured on an H200 at M = 1..16 the word-per-thread
+  MMA kernel wins (one 32-bit word and one nibble per thread, row and k16 step, decoded by two
+  `prmt`): ~2.7-3.0 TB/s of compressed weight at the Llama-3.1-8B FFN shapes.
 - prefill (large M): sparse tensor cores. bf16 goes through cuSPARSELt (torch._cslt_sparse_mm) with
   the weight compressed once at load and the algorithm searched once per shape; FP8 goes through
   torchao's CUTLASS sm90 2:4 kernel with per-token activation scales.
@@ -121,20 +122,24 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-# Launch candidates per M bucket: (kernel, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages).
-# The first of each list is the untuned default (CPU interpreter, CUDA-graph capture); the tuner
-# times them all on first use of a (bucket, N, K, dtypes) and keeps the fastest.
+# Launch candidates per M bucket: (kernel, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages),
+# and for "mma" also CH (groups per thread per chunk) and the PTX decode's pack (16: two k16 steps,
+# the meta byte decoded in the PTX). The first of each list is the untuned default (CPU
+# interpreter, CUDA-graph capture); the tuner times them all on first use of a (bucket, N, K,
+# dtypes) and keeps the fastest. The "mma" entries are the fastest of an H200 sweep at the
+# Llama-3.1-8B FFN shapes (CUDA graphs, weights rotated beyond L2), M = 1 and 16: gate_up
+# [28672 x 4096] 44.3-44.5 us with 128-row tiles and no split (2.97-2.99 TB/s of compressed weight),
+# down [4096 x 14336] 23.4-24.1 us with 128-row tiles 128 deep split 8 ways (2.74-2.83 TB/s); the
+# best earlier kernels there: fma 53.9 / 35.7 us at M = 1, wtile 96.3 / 72.6 us at M = 16.
+_MMA = [("mma", 16, 128, 256, 1, 4, 3, 8, 16), ("mma", 16, 128, 256, 1, 4, 3, 4, 16),
+        ("mma", 16, 128, 128, 8, 4, 4, 8, 16), ("mma", 16, 128, 256, 8, 4, 3, 8, 16),
+        ("mma", 16, 64, 256, 4, 4, 3, 4, 16)]
 _DECODE_CONFIGS = {
-    1: [("fma", 1, 32, 256, 1, 4, 1), ("fma", 1, 64, 256, 1, 4, 1), ("fma", 1, 16, 512, 1, 4, 1),
-        ("fma", 1, 32, 512, 1, 4, 1), ("fma", 1, 16, 256, 2, 4, 1), ("fma", 1, 64, 512, 1, 8, 1),
-        ("fma", 1, 32, 256, 1, 4, 3),
-        ("wtile", 16, 64, 256, 1, 4, 3), ("wtile", 16, 128, 128, 1, 4, 3), ("xsplit", 16, 32, 256, 1, 4, 3)],
-    4: [("fma", 4, 32, 256, 1, 4, 1), ("fma", 4, 16, 256, 1, 4, 1), ("fma", 4, 32, 128, 1, 4, 1),
-        ("wtile", 16, 64, 256, 1, 4, 3), ("wtile", 16, 128, 128, 1, 4, 3), ("xsplit", 16, 32, 256, 1, 4, 3)],
-    16: [("wtile", 16, 64, 256, 1, 4, 3), ("wtile", 16, 128, 128, 1, 4, 3), ("wtile", 16, 64, 128, 1, 4, 4),
-         ("wtile", 16, 128, 256, 1, 8, 3), ("wtile", 16, 64, 256, 2, 4, 3), ("xsplit", 16, 32, 256, 1, 4, 3),
-         ("xsplit", 16, 32, 256, 4, 4, 3)],
-    32: [("wtile", 32, 64, 256, 1, 4, 3), ("wtile", 32, 128, 128, 1, 4, 3), ("xsplit", 32, 32, 256, 1, 4, 3)],
+    1: _MMA + [("fma", 1, 32, 256, 1, 4, 1), ("fma", 1, 16, 256, 2, 4, 1)],
+    4: _MMA + [("fma", 4, 32, 256, 1, 4, 1)],
+    16: _MMA + [("wtile", 16, 64, 256, 2, 4, 3)],
+    32: [("mma", 32, 128, 256, 1, 4, 3, 8, 16), ("mma", 32, 128, 128, 8, 4, 4, 8, 16),
+         ("mma", 32, 64, 256, 4, 4, 3, 4, 16), ("wtile", 32, 64, 256, 1, 4, 3), ("xsplit", 32, 32, 256, 1, 4, 3)],
     64: [("wtile", 64, 128, 128, 1, 8, 3), ("wtile", 64, 64, 128, 1, 4, 3), ("xsplit", 64, 64, 128, 1, 4, 3)],
     128: [("wtile", 128, 128, 64, 1, 8, 3), ("wtile", 64, 128, 128, 1, 8, 3), ("xsplit", 128, 128, 128, 1, 8, 3),
           ("xsplit", 128, 64, 128, 1, 8, 3)],
@@ -149,11 +154,13 @@ def _m_bucket(m: int) -> int:
 
 def _launch(x, values, meta, scale, cfg, out=None):
     from engine.kernels import sparse24_triton as kernels
-    kind, bm, bn, bk, split_k, warps, stages = cfg
+    kind, bm, bn, bk, split_k, warps, stages = cfg[:7]
     m, k = x.shape
     n = values.shape[0]
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if kind == "mma":
+        return _launch_mma(x, values, meta, scale, cfg, out)
     # Split-K partial sums meet in a zeroed fp32 buffer by atomics; one pass writes `out` directly.
     y = torch.zeros(m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
     kernel = {"fma": kernels.sparse24_fma_kernel, "wtile": kernels.sparse24_wtile_kernel,
@@ -167,6 +174,56 @@ def _launch(x, values, meta, scale, cfg, out=None):
     if split_k > 1:
         out.copy_(y)
     return out
+
+
+# (config, K % BLOCK_K == 0, value dtype, scaled, out dtype) -> whether the compiled PTX decode
+# has the MMA's A-operand layout.
+_MMA_LAYOUT_OK: dict = {}
+
+
+def _launch_mma(x, values, meta, scale, cfg, out):
+    """The word-per-thread MMA kernel: values read as one word per group (int32 for bf16 pairs,
+    int16 for e4m3 pairs); split-K reduces in the same launch (engine/kernels/split_k.py)."""
+    from engine.kernels import sparse24_triton as kernels
+    from engine.kernels.split_k import split_k_buffers
+    _, bm, bn, bk, split_k, warps, stages, ch = cfg[:8]
+    pack = cfg[8] if len(cfg) > 8 else 16
+    m, k = x.shape
+    n = values.shape[0]
+    fp8 = values.element_size() == 1
+    words = values.view(torch.int16 if fp8 else torch.int32)
+    grid = (triton_cdiv(n, bn), triton_cdiv(m, bm), split_k)
+    acc, count = split_k_buffers(x.device, m * n, grid[0] * grid[1]) if split_k > 1 else (out, out)
+    args = (x, words, meta, scale if scale is not None else words, out, acc, count, m, n, k,
+            x.stride(0), words.stride(0), meta.stride(0), out.stride(0))
+    const = dict(HAS_SCALE=scale is not None, FP8_VALUES=fp8, SPLIT_K=split_k, EVEN_K=k % bk == 0,
+                 INTERPRETER=_interpreting(), PTX_PACK=pack, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, CH=ch,
+                 num_warps=warps, num_stages=stages)
+    use_ptx = not _interpreting() and _mma_layout_ok(args, grid, const, out.dtype)
+    kernels.sparse24_mma_kernel[grid](*args, USE_PTX=use_ptx, **const)
+    return out
+
+
+def _mma_layout_ok(args, grid, const, out_dtype) -> bool:
+    """Whether Triton gave the PTX decode's result the MMA's A-operand layout (bf16 pairs, kWidth
+    2), the register order _DECODE_PTX is written for. Triton picks layouts itself; where it
+    decodes in another layout and converts afterwards, the PTX would pair the wrong elements, and
+    the arithmetic decode runs instead. Checked once per configuration on the compiled kernel."""
+    from engine.kernels import sparse24_triton as kernels
+    # Triton specializes integer arguments divisible by 16, which can change the layouts it picks.
+    key = (tuple(sorted(const.items())), out_dtype, tuple(a % 16 == 0 for a in args if isinstance(a, int)))
+    if key not in _MMA_LAYOUT_OK:
+        ok = False
+        try:
+            compiled = kernels.sparse24_mma_kernel.warmup(*args, grid=grid, USE_PTX=True, **const)
+            for line in compiled.asm["ttgir"].splitlines():
+                if "elementwise_inline_asm" in line and "prmt.b32" in line:
+                    result = line.rsplit("->", 1)[-1]
+                    ok = "dot_op<{opIdx = 0" in result and "kWidth = 2" in result
+        except Exception:  # a configuration the compiler rejects: the arithmetic path reports it
+            ok = False
+        _MMA_LAYOUT_OK[key] = ok
+    return _MMA_LAYOUT_OK[key]
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -196,7 +253,20 @@ def sparse24_mm(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
 
 
 def _time_ms(fn) -> float:
+    """Median ms of fn replayed in a CUDA graph (how decode runs), eager where it cannot be
+    captured. Eager timing counts the host's launch cost: it picked the CUDA-core kernel for the
+    4096 x 14336 down projection at M = 1 (47.5 vs 50.4 us eager), which the MMA kernel beats in
+    a graph (35.7 vs 23.4 us, H200)."""
     from triton.testing import do_bench
+    try:
+        fn()  # compile and allocate (split-K buffers) outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return do_bench(graph.replay, warmup=5, rep=20, return_mode="median")
+    except Exception:  # not capturable here: time it eagerly
+        torch.cuda.synchronize()
     try:
         return do_bench(fn, warmup=5, rep=20, return_mode="median")
     except Exception:  # a config the compiler or the GPU rejects (shared memory, registers)
@@ -270,11 +340,14 @@ def _torchao_sparse_fp8():
 # ----------------------------------------------------------------------------- dispatch
 
 # Per (N, K, M bucket): "decode" (Triton) or "prefill" (cuSPARSELt) for bf16 2:4, measured on first
-# sight of a bucket. The timing is eager, so it counts cuSPARSELt's ~0.5 ms of host work per call
-# (descriptor and plan set up on every call); inside a CUDA graph that cost is gone, and measured on
-# an H200 cuSPARSELt then beats the Triton kernels from M = 16 up while they win at M = 1.
+# sight of a bucket, in a CUDA graph (_time_ms): eagerly cuSPARSELt pays ~0.5 ms of host work per
+# call (descriptor and plan set up on every call), which a graph removes. Measured on an H200 at the
+# Llama-3.1-8B FFN shapes in graphs: the MMA decode kernel wins at M = 1 and 16 (gate_up 52 vs
+# 89-96 us, down 32 vs 60-64 us, one call after an L2 flush).
 _PATH: dict[tuple, str] = {}
-DECODE_MAX_M = 4  # capture with no timing yet: Triton measured faster at M = 1, cuSPARSELt at M = 16
+# Capture with no timing yet: the Triton decode kernels up to M = 16 (the MMA kernel costs the same
+# at M = 1 and 16: it streams the weight once per 16 rows of x), cuSPARSELt above.
+DECODE_MAX_M = 16
 
 
 def _dispatch_bucket(m: int) -> int:
