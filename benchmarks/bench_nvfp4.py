@@ -77,8 +77,8 @@ def check(name, out, ref, tol=1e-2):
 
 
 SWEEP = [  # decode kernel: (BLOCK_N, BLOCK_K, words per thread, num_warps, num_stages)
-    (64, 128, 2, 4, 6), (64, 256, 2, 4, 4), (64, 256, 4, 4, 4), (128, 256, 2, 4, 3),
-    (128, 256, 4, 8, 4), (128, 512, 4, 8, 3)]
+    (128, 256, 4, 4, 3), (128, 128, 4, 4, 4), (128, 256, 2, 4, 3), (64, 128, 2, 4, 6),
+    (128, 128, 2, 8, 3), (256, 256, 4, 8, 3)]
 
 
 def main():
@@ -170,7 +170,7 @@ def main():
                         gbs = (w_q.nbytes + act_out_bytes) / t / 1e3
                         sweep_rows.append((n, k, m, block_n, block_k, wpt, warps, stages, split,
                                            t, gbs / copy_gbs))
-        del qs, bs, fs, dq_ref
+        qs = bs = fs = dq_ref = None  # free the copies before the next shape
         torch.cuda.empty_cache()
 
     if sweep_rows:

@@ -23,8 +23,16 @@ kernel (`_ptx_decode_layout_ok`), and where it does not hold the kernel decodes 
 K is split across programs when N alone leaves SMs idle; the partial sums meet in an fp32
 accumulator and the last program of each tile (a counter per tile, reset by that program) writes
 y, so one launch does the whole product (engine/kernels/split_k.py). On an H200 the decode kernel
-streams 1.3-1.9 TB/s, 1.3-1.4x the tile kernel below and 30-45% of the copy bandwidth
+streams 1.4-2.0 TB/s, 1.4x the tile kernel below and 32-47% of the copy bandwidth
 (BENCHMARKS.md).
+
+What limits it (ncu on an H200, 28672 x 4096, M = 1, 128-row tiles): 237 registers leave room
+for 2 programs (8 warps) per SM; the schedulers issue in 48% of cycles with 1.75 warps each and
+DRAM is 43% busy, so it is latency-bound at low occupancy, and it also issues ~3.4 instructions
+per weight against the decode's 2.1. The rest is mostly x: Triton folds the K permutation of
+`_logical_k` into the x loads (one 2-byte load per element) and stages x twice through shared
+memory for the WGMMA B operand, every K step (SASS of the loop, Triton 3.9), plus the scale
+conversion (0.25 per weight). Raising occupancy alone did not help (small_m_config).
 
 Prefill (M > 16, `_nvfp4_matmul_kernel`): each program decodes a [BLOCK_N, BLOCK_K] tile to bf16
 with `prmt` table lookups (_E2M1_TO_BF16_PTX) and feeds it to the tensor cores against a
@@ -369,15 +377,18 @@ SMALL_M = 16
 def small_m_config(m: int, n: int, k: int, sm_count: int, block_n: int | None = None,
                    block_k: int | None = None, words_per_thread: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None,
-                   split_k: int | None = None) -> dict:
+                   split_k: int | None = None, maxnreg: int | None = None) -> dict:
     """Tile shape, split-K and launch parameters of the decode kernel (keyword overrides for the
-    benchmark's sweep).
+    benchmark's sweep; `maxnreg` caps registers per thread, a Triton compile option).
 
-    128-row tiles, 256 K deep, 3 stages; K is split until there are 1.5 programs per SM, as long
-    as each program keeps at least 4 K steps. Where that leaves too few steps (a 4096-deep
-    6144-row layer: 48 tiles would need 4-way splits of 4 steps), 64-row tiles 128 deep, 6 stages.
-    Chosen from an H200 sweep (BENCHMARKS.md): the fastest configuration at each Llama-3.1-8B
-    shape, M = 1 and 16.
+    128-row tiles, 256 K deep, 4 words (16 bytes) per thread and row, 3 stages; K is split until
+    there are 1.5 programs per SM, as long as each program keeps at least 4 K steps. Where that
+    leaves too few steps (a 4096-deep 6144-row layer: 48 tiles would need 4-way splits of 4
+    steps), 128 deep, 4 stages. Chosen from two H200 sweeps (BENCHMARKS.md): the fastest
+    configuration at each Llama-3.1-8B shape, M = 1 and 16, within 1.5%; 16-byte words per thread
+    beat 8 by 1-5% everywhere. More programs per SM do not pay: 8 warps per 128 rows or 64-row
+    tiles (111-127 registers, 16 warps per SM) ran 2-10% slower, and a 168-register cap on the
+    default (237 registers, 2 programs per SM) spilled and ran 1.4-1.6x slower.
     """
     def split_for(bn, bk):
         tiles, split = triton.cdiv(n, bn), 1
@@ -391,20 +402,23 @@ def small_m_config(m: int, n: int, k: int, sm_count: int, block_n: int | None = 
         if k % 128:  # e.g. K = 576: 64 deep (64-row tiles there decode in the wrong layout)
             block_k, stages = 64, 4
         elif k % block_k or triton.cdiv(n, 128) * split_for(128, 256) < 1.5 * sm_count:
-            block_n, block_k, stages = 64, 128, 6
+            block_k, stages = 128, 4
     else:
         block_n, block_k, stages = block_n or 64, block_k or 256, 4
     while k % block_k:
         block_k //= 2
-    wpt = min(words_per_thread or 2, block_k // 32)
+    wpt = min(words_per_thread or 4, block_k // 32)
     if block_k < 32 * wpt:
         raise ValueError(f"K={k} needs a multiple of {32 * wpt}")
     if split_k is None:
         split_k = split_for(block_n, block_k)
     if k % (split_k * block_k):
         raise ValueError(f"SPLIT_K={split_k} x BLOCK_K={block_k} does not divide K={k}")
-    return {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k, "WPT": wpt, "SPLIT_K": split_k,
-            "num_warps": num_warps or 4, "num_stages": num_stages or stages}
+    cfg = {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k, "WPT": wpt, "SPLIT_K": split_k,
+           "num_warps": num_warps or 4, "num_stages": num_stages or stages}
+    if maxnreg:
+        cfg["maxnreg"] = maxnreg
+    return cfg
 
 
 # (config, K, output dtype) -> whether the compiled PTX-decode kernel has the layout it needs.
