@@ -25,6 +25,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100
 from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from engine.kernels.cute.common import compile_scaled_gemm, scaled_gemm_tensors
@@ -136,7 +137,7 @@ class Fp8GemmSm100:
             tmem_dealloc_barrier: cutlass.Int64
             tmem_base: cutlass.Int32
 
-        smem = utils.SmemAllocator()
+        smem = SmemAllocator()
         storage = smem.allocate(SharedStorage)
         ab_producer, ab_consumer = pipeline.PipelineTmaUmma.create(
             barrier_storage=storage.ab_barriers.data_ptr(), num_stages=self.ab_stages,

@@ -42,6 +42,7 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90
 import torch
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from engine.kernels.cute.common import (CompileCache, compile_scaled_gemm, current_stream, scaled_gemm_tensors,
@@ -174,7 +175,7 @@ class Fp8GemmSm90:
             cpasync.prefetch_descriptor(tma_b)
             cpasync.prefetch_descriptor(tma_c)
 
-        storage = utils.SmemAllocator().allocate(self.shared_storage)
+        storage = SmemAllocator().allocate(self.shared_storage)
         stage_bytes = (cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0)))
                        + cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem, (None, None, 0))))
         # The producer's TMA completes a stage by transaction count; consumers release it once per

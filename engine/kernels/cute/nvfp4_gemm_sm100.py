@@ -27,6 +27,7 @@ import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100
 import cutlass.utils.blockscaled_layout as blockscaled
 from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass.memory import SmemAllocator
 
 from engine.kernels.cute.common import CompileCache, gmem_ptr, placeholder_stream
 
@@ -137,7 +138,7 @@ class Nvfp4GemmSm100:
             acc_barriers: cute.struct.MemRange[cutlass.Int64, 2]
             tmem_base: cutlass.Int32
 
-        smem = utils.SmemAllocator()
+        smem = SmemAllocator()
         storage = smem.allocate(SharedStorage)
         sA = smem.allocate_tensor(element_type=self.ab_dtype, layout=a_smem.outer,
                                   byte_alignment=128, swizzle=a_smem.inner)

@@ -39,6 +39,7 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm, vector
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from engine.kernels.cute.common import CompileCache, current_stream, gmem_ptr, placeholder_stream
@@ -198,7 +199,7 @@ class Nvfp4GemmSm90:
             for atom in (tma_x, tma_p, tma_s):
                 cpasync.prefetch_descriptor(atom)
 
-        storage = utils.SmemAllocator().allocate(self.shared_storage)
+        storage = SmemAllocator().allocate(self.shared_storage)
         stage_bytes = (cute.size_in_bytes(self.x_dtype, cute.slice_(x_smem, (None, None, 0)))
                        + cute.size_in_bytes(cutlass.Uint8, cute.slice_(p_smem, (None, None, 0)))
                        + cute.size_in_bytes(cutlass.Uint8, cute.slice_(s_smem, (None, None, 0))))
