@@ -220,7 +220,7 @@ GPU_SHAPES = [(1, 4096, 1024), (7, 1000, 512), (16, 2048, 4096), (33, 1536, 576)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 1024), (3, 2048, 1024), (7, 1000, 520), (16, 1000, 4096),
-                                   (20, 768, 1032), (33, 1536, 576), (130, 512, 1024)])
+                                   (20, 768, 1032), (33, 1536, 576), (60, 1024, 1024), (130, 512, 1024)])
 def test_gpu_decode_kernel_all_configs(m, n, k):
     w, x = _gpu_case(m, n, k, m * 7 + n)
     t = s24.compress_24(w)
@@ -259,7 +259,8 @@ def test_gpu_backends_all_paths(m, n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [(1, 1000, 512), (3, 1000, 512), (17, 384, 1024), (200, 256, 520)])
+@pytest.mark.parametrize("m,n,k", [(1, 1000, 512), (3, 1000, 512), (17, 384, 1024), (50, 640, 1024),
+                                   (200, 256, 520)])
 def test_gpu_outputs_fully_written(m, n, k):
     w, x = _gpu_case(m, n, k, 11 * m)
     t = s24.compress_24(w)

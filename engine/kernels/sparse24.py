@@ -130,7 +130,9 @@ def _interpreting() -> bool:
 # Llama-3.1-8B FFN shapes (CUDA graphs, weights rotated beyond L2), M = 1 and 16: gate_up
 # [28672 x 4096] 44.3-44.5 us with 128-row tiles and no split (2.97-2.99 TB/s of compressed weight),
 # down [4096 x 14336] 23.4-24.1 us with 128-row tiles 128 deep split 8 ways (2.74-2.83 TB/s); the
-# best earlier kernels there: fma 53.9 / 35.7 us at M = 1, wtile 96.3 / 72.6 us at M = 16.
+# best earlier kernels there: fma 53.9 / 35.7 us at M = 1, wtile 96.3 / 72.6 us at M = 16. At
+# M = 33..128 the "mma" entries (64- and 128-row x tiles) compete with the tile kernels and
+# cuSPARSELt: the weight is still streamed once per program row of x.
 _MMA = [("mma", 16, 128, 256, 1, 4, 3, 8, 16), ("mma", 16, 128, 256, 1, 4, 3, 4, 16),
         ("mma", 16, 128, 128, 8, 4, 4, 8, 16), ("mma", 16, 128, 256, 8, 4, 3, 8, 16),
         ("mma", 16, 64, 256, 4, 4, 3, 4, 16)]
@@ -140,9 +142,12 @@ _DECODE_CONFIGS = {
     16: _MMA + [("wtile", 16, 64, 256, 2, 4, 3)],
     32: [("mma", 32, 128, 256, 1, 4, 3, 8, 16), ("mma", 32, 128, 128, 8, 4, 4, 8, 16),
          ("mma", 32, 64, 256, 4, 4, 3, 4, 16), ("wtile", 32, 64, 256, 1, 4, 3), ("xsplit", 32, 32, 256, 1, 4, 3)],
-    64: [("wtile", 64, 128, 128, 1, 8, 3), ("wtile", 64, 64, 128, 1, 4, 3), ("xsplit", 64, 64, 128, 1, 4, 3)],
+    64: [("wtile", 64, 128, 128, 1, 8, 3), ("wtile", 64, 64, 128, 1, 4, 3), ("xsplit", 64, 64, 128, 1, 4, 3),
+         ("mma", 64, 128, 256, 1, 4, 3, 8, 16), ("mma", 64, 128, 128, 8, 4, 3, 8, 16),
+         ("mma", 32, 128, 256, 1, 4, 3, 8, 16)],
     128: [("wtile", 128, 128, 64, 1, 8, 3), ("wtile", 64, 128, 128, 1, 8, 3), ("xsplit", 128, 128, 128, 1, 8, 3),
-          ("xsplit", 128, 64, 128, 1, 8, 3)],
+          ("xsplit", 128, 64, 128, 1, 8, 3), ("mma", 64, 128, 256, 1, 4, 3, 8, 16),
+          ("mma", 128, 128, 128, 1, 8, 3, 8, 16)],
 }
 _TUNED: dict[tuple, tuple] = {}
 TUNE_TIMES: dict[tuple, dict] = {}  # every candidate's median ms, for the benchmark's report
