@@ -14,7 +14,7 @@ Any weight format works: the streamer does not know the formats. It walks each l
 (modules, their parameters and buffers, `Linear.backend` objects and whatever tensors they hold, in
 attributes, dataclasses, lists, tuples or dicts), packs every tensor's bytes into one blob per layer
 and repoints each tensor object in place (`Tensor.set_`) at the device buffer that holds the
-layer's blob while it runs; the blob's home is one pinned host allocation. Tensors that share storage (a view of a packed buffer,
+layer's blob while it runs; the blob's home is a pinned host allocation of its own. Tensors that share storage (a view of a packed buffer,
 a Parameter and its `.data`) keep sharing it. It hooks the layers (forward pre/post hooks), so the
 model's layer loop is unchanged.
 """
@@ -189,7 +189,8 @@ def layer_stream_bytes(layer: nn.Module) -> int:
 
 class LayerStreamer:
     """Keeps `plan.offloaded_layers` of `layers` in pinned host memory and streams them through two
-    device buffers. Construct it once after loading and after any weight-format conversion; the
+    device buffers. Each streamed layer is handed over in its final weight format (all at construction,
+    or one by one through `adopt` while the model is placed layer by layer); the
     layers' forward hooks then do the rest, on whatever stream the forward runs on.
 
     Outside its own forward a streamed layer's tensors alias a device buffer that may hold another
