@@ -130,6 +130,10 @@ def _triton_kernels():
     import triton
     import triton.language as tl
 
+    # Module globals, not locals: Triton (its interpreter too) looks a kernel's callees up there.
+    global split_k_arrive, split_k_take
+    from engine.kernels.split_k import split_k_arrive, split_k_take
+
     @triton.jit
     def quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, BLOCK_K: tl.constexpr):
         # One program per row: pass 1 finds amax, pass 2 (an L1/L2 hit) scales and converts.
@@ -181,19 +185,8 @@ def _triton_kernels():
         out_offs = offs_m[None, :] * N + offs_n[:, None]
         mask = offs_m[None, :] < M
         if SPLIT_K > 1:
-            tl.atomic_add(acc_ptr + out_offs, acc, mask=mask, sem="relaxed")
-            # All of this program's adds before its arrival (barrier + release); the last
-            # program's reads after its acquire.
-            tl.debug_barrier()
-            arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
-            tl.debug_barrier()
-            if arrived == SPLIT_K - 1:
-                acc = tl.load(acc_ptr + out_offs, mask=mask, other=0.0, cache_modifier=".cg")
-                # The zeroing store may run in another layout than the load (other threads,
-                # same addresses): every read first.
-                tl.debug_barrier()
-                tl.store(acc_ptr + out_offs, tl.zeros_like(acc), mask=mask)
-                tl.store(count_ptr + pid_n, 0)
+            if split_k_arrive(acc, acc_ptr + out_offs, mask, count_ptr + pid_n, SPLIT_K):
+                acc = split_k_take(acc_ptr + out_offs, mask, count_ptr + pid_n)
                 y = acc * tl.load(ws_ptr + offs_n)[:, None] * tl.load(xs_ptr + offs_m, mask=offs_m < M, other=0.0)[None, :]
                 if HAS_RESIDUAL:
                     y += tl.load(res_ptr + out_offs, mask=mask).to(tl.float32)

@@ -57,7 +57,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.nvfp4 import E2M1_BF16_LUT_PTX, Nvfp4Tensor, nvfp4_linear_reference
-from engine.kernels.split_k import split_k_buffers
+from engine.kernels.split_k import split_k_arrive, split_k_buffers, split_k_take
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -355,20 +355,9 @@ def _small_m_kernel(
         tl.store(out_ptrs, (acc * scale_out).to(out_ptr.dtype.element_ty), mask=mask)
     else:
         acc_ptrs = acc_ptr + offs_m[None, :] * N + offs_n[:, None]
-        tl.atomic_add(acc_ptrs, acc, mask=mask, sem="relaxed")
-        # Every thread's adds come before the counter's release (the barrier), and the last
-        # program's reads after its acquire.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
-        tl.debug_barrier()
-        if arrived == SPLIT_K - 1:
-            total = tl.load(acc_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+        if split_k_arrive(acc, acc_ptrs, mask, count_ptr + pid_n, SPLIT_K):
+            total = split_k_take(acc_ptrs, mask, count_ptr + pid_n)
             tl.store(out_ptrs, (total * scale_out).to(out_ptr.dtype.element_ty), mask=mask)
-            # The zeroing store may run in another layout than the load (other threads, same
-            # addresses): every read first.
-            tl.debug_barrier()
-            tl.store(acc_ptrs, tl.zeros_like(total), mask=mask)
-            tl.store(count_ptr + pid_n, 0)
 
 
 SMALL_M = 16

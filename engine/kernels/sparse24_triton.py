@@ -29,6 +29,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from engine.kernels.split_k import split_k_arrive, split_k_take
+
 
 @triton.jit
 def _load_groups(v_ptr, meta_ptr, offs_n, mask_n, k0, K, stride_vn, stride_metan,
@@ -353,16 +355,7 @@ def sparse24_mma_kernel(
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         acc_ptrs = acc_ptr + offs_m[None, :] * N + offs_n[:, None]
-        tl.atomic_add(acc_ptrs, acc, mask=mask, sem="relaxed")
-        # Every thread's adds come before the counter's release (the barrier), and the last
-        # program's reads after its acquire.
-        tl.debug_barrier()
-        tile = pid_m * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
-        tl.debug_barrier()
-        if arrived == SPLIT_K - 1:
-            total = tl.load(acc_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+        counter_ptr = count_ptr + pid_m * tl.num_programs(0) + pid_n
+        if split_k_arrive(acc, acc_ptrs, mask, counter_ptr, SPLIT_K):
+            total = split_k_take(acc_ptrs, mask, counter_ptr)
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
-            tl.debug_barrier()  # every read before the zeroing (other threads, same addresses)
-            tl.store(acc_ptrs, tl.zeros_like(total), mask=mask)
-            tl.store(count_ptr + tile, 0)
