@@ -85,6 +85,12 @@ def make_sets(m, n, k, per_set_weight_bytes):
     return sets
 
 
+def cublas_fp8(s, fast_accum=False):
+    """cuBLAS FP8 with rowwise scales (per token x per channel), as our kernels take them."""
+    return torch._scaled_mm(s["qx"], s["qw"].t(), s["xs"][:, None], s["ws"][None, :], out_dtype=torch.bfloat16,
+                            use_fast_accum=fast_accum)
+
+
 def ours(s, fast_accum=False):
     if s["qx"].shape[0] <= fp8.SMALL_M:
         return fp8.fp8_gemm_small_m(s["qx"], s["xs"], s["qw"], s["ws"])
@@ -134,9 +140,7 @@ def tile_sweep():
                                                              fast_accum=fast), sets, replays=7)
                     cells.append(f"{2 * m * n * k / sec / 1e12:.0f}")
                 chosen = choose_tile(m, n, sm_count(), fast)
-                sec = time_graph(lambda s: torch._scaled_mm(s["qx"], s["qw"].t(), s["xs"][:, None], s["ws"][None, :],
-                                                            out_dtype=torch.bfloat16, use_fast_accum=fast),
-                                 sets, replays=7)
+                sec = time_graph(lambda s: cublas_fp8(s, fast), sets, replays=7)
                 print(f"| {n} x {k} | {m} | {'fast' if fast else 'promoted'} | " + " | ".join(cells)
                       + f" | {chosen[0]}x{chosen[1]} | {2 * m * n * k / sec / 1e12:.0f} |", flush=True)
             del sets
@@ -163,14 +167,10 @@ def alternating_passes(ms, passes, swizzles):
             n_tiles = n // tile[1]
             variants = {0: f"default (swizzle {choose_swizzle(n_tiles)})"}
             variants.update({sw: f"swizzle {sw}" for sw in swizzles if sw and n_tiles % sw == 0})
-
-            def cublas(s):
-                return torch._scaled_mm(s["qx"], s["qw"].t(), s["xs"][:, None], s["ws"][None, :],
-                                        out_dtype=torch.bfloat16)
             tf = {v: [] for v in variants}
             cub = []
             for _ in range(passes):
-                cub.append(flops / time_graph(cublas, sets, replays=5) / 1e12)
+                cub.append(flops / time_graph(cublas_fp8, sets, replays=5) / 1e12)
                 for sw in variants:
                     sec = time_graph(lambda s, sw=sw: fp8_gemm_sm90(s["qx"], s["xs"], s["qw"], s["ws"],
                                                                      swizzle=sw or None), sets, replays=5)
@@ -207,26 +207,21 @@ def main():
     for n, k in SHAPES:
         for m in ms:
             sets = make_sets(m, n, k, n * k)
-            if rowwise:
-                def cublas_fp8(s):
-                    return torch._scaled_mm(s["qx"], s["qw"].t(), s["xs"][:, None], s["ws"][None, :],
-                                            out_dtype=torch.bfloat16)
-            else:
+            cublas = cublas_fp8
+            if not rowwise:
                 one = torch.ones((), device="cuda")
 
-                def cublas_fp8(s):
+                def cublas(s):
                     return torch._scaled_mm(s["qx"], s["qw"].t(), one, one, out_dtype=torch.bfloat16)
             variants = {
                 "ours": ours,
                 "ours+q": lambda s: fp8.fp8_linear(s["x"], s["qw"], s["ws"]),
-                "cublas_fp8": cublas_fp8,
+                "cublas_fp8": cublas,
                 "cublas_bf16": lambda s: torch.matmul(s["x"], s["w"].t()),
             }
             if m > fp8.SMALL_M and rowwise:
                 variants["ours_fast"] = lambda s: ours(s, fast_accum=True)
-                variants["cublas_fp8_fast"] = lambda s: torch._scaled_mm(
-                    s["qx"], s["qw"].t(), s["xs"][:, None], s["ws"][None, :], out_dtype=torch.bfloat16,
-                    use_fast_accum=True)
+                variants["cublas_fp8_fast"] = lambda s: cublas_fp8(s, fast_accum=True)
             flops = 2 * m * n * k
             t = {name: time_graph(fn, sets) for name, fn in variants.items()}
             row = dict(n=n, k=k, m=m, kernel="small_m" if m <= fp8.SMALL_M else "sm90")
