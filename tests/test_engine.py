@@ -143,23 +143,26 @@ def test_fused_kernels_on_and_off_give_the_same_tokens_gpu():
         gpu.shutdown(timeout=1)
 
 
+def _limit_streaming_three_of_four_layers(engine, kv_tokens: int) -> float:
+    """A gpu_memory_limit (GiB) under which 3 of llama-tiny's 4 (equal) layers stream: that needs
+    the non-layer weights, KV cache and activations + 1 resident layer + 2 buffers = base + 3
+    layers; 3.5 layers is less than the 4 that all-resident needs."""
+    from engine.streams import layer_stream_bytes
+    base = engine._non_layer_bytes() + kv_tokens * engine._kv_bytes_per_token() + engine._activation_reserve()
+    return (base + 3.5 * layer_stream_bytes(engine.model.layers[0])) / 2**30
+
+
 def test_layers_streamed_under_a_memory_limit_give_the_same_tokens():
     """gpu_memory_limit below what the model needs: some decoder layers live in (pinned) host memory
     and stream through two buffers; the output does not change. On the CPU the streamer runs on
     no-op streams: this checks the planning and the hooks; the overlap itself is a GPU matter."""
-    from engine.streams import layer_stream_bytes
     kw = dict(device="cpu", dtype="fp32", kv_cache_tokens=2048, max_num_batched_tokens=256, max_num_seqs=16)
     prompts = [list(range(20, 20 + n)) for n in (5, 40, 90)]
     p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     resident = LLM("llama-tiny", **kw)
     try:
         want = [o.token_ids for o in resident.generate(prompts, p)]
-        e = resident.engine
-        layer = layer_stream_bytes(e.model.layers[0])           # all four layers are the same size
-        base = e._non_layer_bytes() + 2048 * e._kv_bytes_per_token() + e._activation_reserve()
-        # Streaming 3 of 4 layers needs base + 1 resident layer + 2 buffers = base + 3 layers: give
-        # it 3.5 layers, less than the 4 that all-resident needs.
-        limit_gib = (base + 3.5 * layer) / 2**30
+        limit_gib = _limit_streaming_three_of_four_layers(resident.engine, 2048)
     finally:
         resident.shutdown(timeout=1)
     streamed = LLM("llama-tiny", gpu_memory_limit=limit_gib, **kw)
@@ -179,7 +182,7 @@ def test_layers_are_placed_one_at_a_time_under_a_memory_limit(monkeypatch):
     moved: the device never holds the whole model. Here with fp8 weights, converted per layer, the
     tokens equal those of the resident fp8 model."""
     import engine.engine as engine_module
-    from engine.streams import LayerStreamer, layer_stream_bytes
+    from engine.streams import LayerStreamer
     kw = dict(device="cpu", dtype="fp32", weights="fp8", kv_cache_tokens=2048, max_num_batched_tokens=256,
               max_num_seqs=16)
     prompts = [list(range(30, 30 + n)) for n in (7, 60)]
@@ -187,9 +190,7 @@ def test_layers_are_placed_one_at_a_time_under_a_memory_limit(monkeypatch):
     resident = LLM("llama-tiny", **kw)
     try:
         want = [o.token_ids for o in resident.generate(prompts, p)]
-        e = resident.engine
-        base = e._non_layer_bytes() + 2048 * e._kv_bytes_per_token() + e._activation_reserve()
-        limit_gib = (base + 3.5 * layer_stream_bytes(e.model.layers[0])) / 2**30
+        limit_gib = _limit_streaming_three_of_four_layers(resident.engine, 2048)
     finally:
         resident.shutdown(timeout=1)
     events = []
@@ -317,7 +318,6 @@ def test_gpu_step_loop_steady_state_never_synchronises():
 def test_gpu_overlap_and_offload_give_the_same_tokens():
     """fp32 on the GPU: pipelined steps, serialised steps and decoder layers streamed from pinned
     host memory under a memory limit all give the same greedy and seeded tokens."""
-    from engine.streams import layer_stream_bytes
     torch.backends.cuda.matmul.allow_tf32 = False
     prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate([1, 5, 17, 40, 129, 300])]
     params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
@@ -325,14 +325,13 @@ def test_gpu_overlap_and_offload_give_the_same_tokens():
     kw = {"device": "cuda", "dtype": "fp32", "kv_cache_tokens": 8192}
     results, limit = [], None
     for extra in ({}, {"overlap": False}, "offload"):
-        if extra == "offload":      # room for 3.5 of llama-tiny's 4 layers: 3 of them stream
+        if extra == "offload":
             extra = {"gpu_memory_limit": limit}
         gpu = LLM("llama-tiny", **kw, **extra)
         try:
             e = gpu.engine
             if limit is None:
-                base = e._non_layer_bytes() + 8192 * e._kv_bytes_per_token() + e._activation_reserve()
-                limit = (base + 3.5 * layer_stream_bytes(e.model.layers[0])) / 2**30
+                limit = _limit_streaming_three_of_four_layers(e, 8192)
             if "gpu_memory_limit" in extra:
                 assert e.streamer is not None and len(e.streamer.order) == 3
             results.append([o.token_ids for o in gpu.generate(prompts, params)])
