@@ -1,6 +1,6 @@
 """FP8 GEMM benchmark on Llama-3.1-8B shapes: our kernels vs cuBLAS FP8 (torch._scaled_mm) vs bf16 cuBLAS.
 
-    python benchmarks/bench_fp8.py [--m 1,16,128,1024,8192] [--sweep] [--passes 7 [--swizzles 1,2,4,8,16]]
+    python benchmarks/bench_fp8.py [--m 1,16,128,1024,8192] [--sweep] [--passes 7 [--swizzles 1,4,16] [--promotes 1,2,4]]
 
 --sweep also times every tile of the sm90 kernel in both accumulation modes at M = 1024 and 8192
 (what the tile heuristic in fp8_gemm_sm90.choose_tile is checked against).
@@ -98,9 +98,11 @@ def ours(s, fast_accum=False):
     return fp8_gemm_sm90(s["qx"], s["xs"], s["qw"], s["ws"], fast_accum=fast_accum)
 
 
-def accuracy_table(rowwise):
-    print("\n| N x K | M | ours | ours fast_accum | cuBLAS fp8 | cuBLAS fp8 fast_accum | cuBLAS bf16 |")
-    print("|---|---|---|---|---|---|---|")
+def accuracy_table(rowwise, promotes=()):
+    from engine.kernels.cute.fp8_gemm_sm90 import fp8_gemm_sm90
+    print("\n| N x K | M | ours | ours fast_accum | cuBLAS fp8 | cuBLAS fp8 fast_accum | cuBLAS bf16 | "
+          + "".join(f"ours, promote every {p} | " for p in promotes))
+    print("|---|---|---|---|---|---|---|" + "---|" * len(promotes))
     for n, k in SHAPES:
         m = 1024
         s = make_sets(m, n, k, 10**12)[0]
@@ -117,6 +119,8 @@ def accuracy_table(rowwise):
         else:
             cells += [float("nan"), float("nan")]
         cells.append(err(torch.matmul(s["x"], s["w"].t()), ref_bf16))
+        cells += [err(fp8_gemm_sm90(s["qx"], s["xs"], s["qw"], s["ws"], promote_every=p))
+                  if math.ceil(k / 128) % p == 0 else float("nan") for p in promotes]
         print(f"| {n} x {k} | {m} | " + " | ".join(f"{c:.2e}" for c in cells) + " |")
 
 
@@ -147,12 +151,13 @@ def tile_sweep():
             torch.cuda.empty_cache()
 
 
-def alternating_passes(ms, passes, swizzles):
+def alternating_passes(ms, passes, swizzles, promotes):
     """cuBLAS's time for the same GEMM moved by up to 18% between two passes of one run (clocks,
-    heuristics), so one pass cannot show a ratio to a few percent. Here cuBLAS fp8 and ours (with
-    each tile order in `swizzles`, 0 = the default choice) run back to back over the same operands,
-    `passes` times, and each variant's time ratio to the cuBLAS time of the same pass is kept."""
-    from engine.kernels.cute.fp8_gemm_sm90 import choose_swizzle, choose_tile, fp8_gemm_sm90
+    heuristics), so one pass cannot show a ratio to a few percent. Here cuBLAS fp8 and ours (the
+    default, each tile order in `swizzles` and each promotion interval in `promotes`) run back to
+    back over the same operands, `passes` times, and each variant's time ratio to the cuBLAS time of
+    the same pass is kept."""
+    from engine.kernels.cute.fp8_gemm_sm90 import choose_promote_every, choose_swizzle, choose_tile, fp8_gemm_sm90
     from engine.kernels.cute.common import sm_count
     print(f"\nours vs cuBLAS fp8 (default accumulation), {passes} alternating passes; ratio = cuBLAS time / "
           "ours (>1 = ours faster), median and min over the passes")
@@ -165,24 +170,30 @@ def alternating_passes(ms, passes, swizzles):
             flops = 2 * m * n * k
             tile = choose_tile(m, n, sm_count())
             n_tiles = n // tile[1]
-            variants = {0: f"default (swizzle {choose_swizzle(n_tiles)})"}
-            variants.update({sw: f"swizzle {sw}" for sw in swizzles if sw and n_tiles % sw == 0})
+            k_tiles = math.ceil(k / 128)
+            variants = {f"default (swizzle {choose_swizzle(n_tiles)}, promote every {choose_promote_every(k)})": {}}
+            variants.update({f"swizzle {sw}": dict(swizzle=sw) for sw in swizzles if n_tiles % sw == 0})
+            variants.update({f"promote every {p}": dict(promote_every=p) for p in promotes if k_tiles % p == 0})
             tf = {v: [] for v in variants}
             cub = []
             for _ in range(passes):
                 cub.append(flops / time_graph(cublas_fp8, sets, replays=5) / 1e12)
-                for sw in variants:
-                    sec = time_graph(lambda s, sw=sw: fp8_gemm_sm90(s["qx"], s["xs"], s["qw"], s["ws"],
-                                                                     swizzle=sw or None), sets, replays=5)
-                    tf[sw].append(flops / sec / 1e12)
-            for sw, label in variants.items():
-                ratios = sorted(o / c for o, c in zip(tf[sw], cub))
-                print(f"| {n} x {k} | {m} | {tile[0]}x{tile[1]} | {label} | {statistics.median(tf[sw]):.0f} "
-                      f"({min(tf[sw]):.0f}-{max(tf[sw]):.0f}) | {statistics.median(cub):.0f} "
+                for label, kw in variants.items():
+                    sec = time_graph(lambda s, kw=kw: fp8_gemm_sm90(s["qx"], s["xs"], s["qw"], s["ws"], **kw),
+                                     sets, replays=5)
+                    tf[label].append(flops / sec / 1e12)
+            for label in variants:
+                ratios = sorted(o / c for o, c in zip(tf[label], cub))
+                print(f"| {n} x {k} | {m} | {tile[0]}x{tile[1]} | {label} | {statistics.median(tf[label]):.0f} "
+                      f"({min(tf[label]):.0f}-{max(tf[label]):.0f}) | {statistics.median(cub):.0f} "
                       f"({min(cub):.0f}-{max(cub):.0f}) | {statistics.median(ratios):.2f} | {ratios[0]:.2f} |",
                       flush=True)
             del sets
             torch.cuda.empty_cache()
+
+
+def ints(csv: str) -> list[int]:
+    return [int(v) for v in csv.split(",") if v]
 
 
 def main():
@@ -191,8 +202,10 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--passes", type=int, default=0,
                     help="then time ours and cuBLAS fp8 alternately this many times at M >= 1024")
-    ap.add_argument("--swizzles", default="1,2,4,8,16",
-                    help="tile orders (N tiles per group) that --passes times beside the default")
+    ap.add_argument("--swizzles", default="",
+                    help="tile orders (N tiles per group) that --passes times beside the default, e.g. 1,4,16")
+    ap.add_argument("--promotes", default="",
+                    help="promotion intervals (k-tiles) that --passes times and the accuracy table checks, e.g. 1,2,4")
     args = ap.parse_args()
     ms = [int(v) for v in args.m.split(",")]
     dev = torch.cuda.get_device_name()
@@ -272,11 +285,11 @@ def main():
                   f"{cfg['num_stages']} stages | {fp8_bytes / 1e6:.1f} | " + " | ".join(cells)
                   + f" | {r['cublas_fp8'][0] / r['ours'][0]:.2f}x | {r['cublas_bf16'][0] / r['ours'][0]:.2f}x |")
     if any(m > fp8.SMALL_M for m in ms):  # the sm90 kernel's accuracy (M = 1024)
-        accuracy_table(rowwise)
+        accuracy_table(rowwise, ints(args.promotes))
     if args.sweep:
         tile_sweep()
     if args.passes and rowwise:
-        alternating_passes([m for m in ms if m >= 1024], args.passes, [int(v) for v in args.swizzles.split(',')])
+        alternating_passes([m for m in ms if m >= 1024], args.passes, ints(args.swizzles), ints(args.promotes))
 
 
 if __name__ == "__main__":

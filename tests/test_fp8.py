@@ -192,10 +192,11 @@ def test_sm90_kernel_compiles_to_e4m3_wgmma():
     out = run_python(COMPILE_SM90, {"CUTE_DSL_ARCH": "sm_90a"})
     lines = [l.split() for l in out.splitlines() if l.startswith("PTX")]
     assert len(lines) == 2
-    for fields in lines:
+    for fields, batch in zip(lines, (8, 4)):
         wgmma, dec, inc, tma_loads, stmatrix = map(int, fields[-5:])
-        # 4 k32 WGMMAs per 128-wide k-tile, a producer/consumer register split, TMA loads of A and B.
-        assert wgmma == 4 and dec == 1 and inc == 1 and tma_loads >= 2 and stmatrix > 0, fields
+        # 4 k32 WGMMAs per 128-wide k-tile (8 where the precise mode promotes every 2 k-tiles), a
+        # producer/consumer register split, TMA loads of A and B.
+        assert wgmma == batch and dec == 1 and inc == 1 and tma_loads >= 2 and stmatrix > 0, fields
 
 
 COMPILE_SM100 = """
@@ -228,6 +229,10 @@ def test_sm90_shape_checks_and_tile_choice():
     assert k.choose_tile(1024, 6144, 132) == (128, 128)  # 384 tiles fill waves better than 192
     assert k.choose_tile(128, 6144, 132) == (64, 128)
     assert k.choose_tile(17, 576, 132) == (64, 64)
+    # Promote every 2 k-tiles where K's k-tiles split evenly, else every one (576 = 5 k-tiles).
+    assert [k.choose_promote_every(kk) for kk in (4096, 14336, 576, 1536)] == [2, 2, 1, 2]
+    with pytest.raises(ValueError, match="promote_every=3"):
+        k.Fp8GemmSm90((128, 128), 1024, 4096, False, 132, promote_every=3)
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -296,6 +301,22 @@ def test_sm90_every_tile_order():
                      qx, xs, qw, ws, None)
     with pytest.raises(ValueError, match="does not divide"):
         fp8_gemm_sm90(qx, xs, qw, ws, tile_mn=(128, 128), swizzle=3)
+
+
+@pytest.mark.gpu
+def test_sm90_every_promotion_interval():
+    # Promoting every 1, 2 or 4 k-tiles: every output written, error within bf16 rounding (the
+    # benchmark's accuracy table gives each interval's error), M and N with tails.
+    from engine.kernels.cute.fp8_gemm_sm90 import fp8_gemm_sm90
+    for m, n, k in [(1100, 1024, 4096), (300, 4096, 14336)]:
+        qx, xs, qw, ws = gpu_operands(m, n, k, seed=k)
+        res = torch.randn(m, n, device="cuda").bfloat16()
+        for p in (1, 2, 4):
+            for r in (None, res):
+                check_kernel(lambda out: fp8_gemm_sm90(qx, xs, qw, ws, r, tile_mn=(128, 128), out=out,
+                                                       promote_every=p), qx, xs, qw, ws, r)
+    with pytest.raises(ValueError, match="promote_every=3"):
+        fp8_gemm_sm90(qx, xs, qw, ws, tile_mn=(128, 128), promote_every=3)
 
 
 @pytest.mark.gpu
