@@ -7,7 +7,7 @@ eager and as a replayed CUDA graph; then every GEMM variant on its own. Each var
 against a float reference first. Times are medians of triton.testing.do_bench, which flushes L2
 before every repetition, so weights and activations come from HBM each time.
 
-    PYTHONPATH=. python benchmarks/bench_sparse24.py [--out results.json] [--ms 1,16,128,1024,8192]
+    python benchmarks/bench_sparse24.py [--out results.json] [--ms 1,16,128,1024,8192]
 """
 from __future__ import annotations
 
@@ -15,13 +15,17 @@ import argparse
 import json
 import time
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from engine.kernels import sparse24 as s24
-from engine.kernels.fp8 import quantize_rows_fp8
-from engine.kernels.swiglu import swiglu
+# The repository root, without replacing PYTHONPATH (which on the GPU machine carries torchao).
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+from engine.kernels import sparse24 as s24  # noqa: E402
+from engine.kernels.fp8 import quantize_rows_fp8  # noqa: E402
+from engine.kernels.swiglu import swiglu  # noqa: E402
 
 HIDDEN, FFN = 4096, 14336
 GEMMS = {"gate_up": (2 * FFN, HIDDEN), "down": (HIDDEN, FFN)}  # name: (N, K)
@@ -98,8 +102,8 @@ class Weights:
             log(f"to_sparse_semi_structured: {type(e).__name__}: {e}")
             self.torch_sparse = None
 
-    def fp8_dense(self, x):
-        q, s = s24.quantize_act_fp8(x)
+    def fp8_dense(self, x, x_scale=None):
+        q, s = (x, x_scale) if x_scale is not None else s24.quantize_act_fp8(x)
         return torch._scaled_mm(q, self.q8t, s[:, None], self.s8[None, :], out_dtype=torch.bfloat16)
 
     def variants(self):
@@ -126,12 +130,19 @@ class Weights:
 
 
 def ffn_blocks(w):
+    """As the model runs them (models/llama.py LlamaMLP): where the down projection takes e4m3
+    activations (input_quant), the SwiGLU kernel writes them, quantised per token in the same pass.
+    The block's input x is bf16 on every side (the FP8 paths quantise it inside gate_up; in the model
+    the fused RMSNorm would write it as e4m3, which this leaves out)."""
     gu, dn = w["gate_up"], w["down"]
+
+    def feed(forward, h):
+        return forward(*h) if isinstance(h, tuple) else forward(h)
     return {
         "dense bf16": lambda x: F.linear(swiglu(F.linear(x, gu.dense)), dn.dense),
         "2:4 bf16": lambda x: dn.sp.forward(swiglu(gu.sp.forward(x))),
-        "fp8 dense": lambda x: dn.fp8_dense(swiglu(gu.fp8_dense(x))),
-        "2:4+fp8": lambda x: dn.sp8.forward(swiglu(gu.sp8.forward(x))),
+        "fp8 dense": lambda x: dn.fp8_dense(*swiglu(gu.fp8_dense(x), "fp8")),
+        "2:4+fp8": lambda x: feed(dn.sp8.forward, swiglu(gu.sp8.forward(x), dn.sp8.input_quant)),
     }
 
 

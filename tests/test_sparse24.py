@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from engine.kernels import sparse24 as s24
-from engine.kernels.fp8 import quantize_rows_fp8
+from engine.kernels.fp8 import quantize_act_fp8, quantize_rows_fp8
+from engine.kernels.norms import rms_norm
 from engine.linear import BACKENDS, Linear
 
 interpreter = pytest.mark.interpreter   # CPU tensors through the Triton interpreter
@@ -196,6 +197,17 @@ def test_backend_forward_matches_pruned_dense(fmt):
     assert lin.backend.weight_bytes() == (dense_bytes * 9 // 16 if fmt == "2:4" else dense_bytes * 5 // 16 + 40 * 4)
 
 
+def test_fp8_backend_takes_quantised_activations_without_torchao():
+    # On the CPU (no torchao kernel) the backend asks for bf16 activations, and an e4m3 activation
+    # handed to it anyway is dequantised first.
+    w = s24.prune_24(torch.randn(40, 96))
+    f = s24.Sparse24Fp8Weight.from_dense(w)
+    assert f.input_quant is None
+    qx, xs = quantize_rows_fp8(torch.randn(5, 96))
+    x = (qx.float() * xs[:, None]).to(torch.float32)
+    assert rel_err(f.forward(qx, x_scale=xs), fp64_ref(x, f.dequantize().float())) < 8e-3
+
+
 def test_backend_wanda_score_through_convert():
     lin = Linear(16, 8, dtype=torch.float32)
     lin.weight.data.copy_(torch.randn(8, 16))
@@ -256,6 +268,16 @@ def test_gpu_backends_all_paths(m, n, k):
         # Prefill quantizes the activations to e4m3 per token as well: ~3e-2.
         assert rel_err(f.prefill(x), ref8) < 6e-2
         assert rel_err(f.forward(x), ref8) < 6e-2
+        # Activations quantised upstream (the fused norm / SwiGLU kernels do it when input_quant
+        # says so) give the same bits as quantising inside.
+        assert f.input_quant == "fp8"
+        qx, xs = quantize_act_fp8(x)
+        assert torch.equal(f.forward(qx, x_scale=xs), f.forward(x))
+        h, hs = rms_norm(x, torch.ones(k, device="cuda", dtype=torch.bfloat16), 1e-5, quant="fp8")
+        ref_h = fp64_ref(rms_norm(x, torch.ones(k, device="cuda", dtype=torch.bfloat16), 1e-5), f.dequantize().float())
+        assert rel_err(f.forward(h, x_scale=hs), ref_h) < 6e-2
+    else:
+        assert f.input_quant is None
 
 
 @pytest.mark.gpu

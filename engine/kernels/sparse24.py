@@ -453,17 +453,30 @@ class Sparse24Fp8Weight(LinearBackend):
     def decode(self, x):
         return sparse24_mm(x, self.values, self.meta, self.scale)
 
-    def prefill(self, x):
-        q, s = quantize_act_fp8(x)
-        return _torchao_sparse_fp8()[1](q, s, self.packed, self.ao_meta, self.scale, None, x.dtype)
+    @property
+    def input_quant(self) -> str | None:
+        """"fp8" where torchao's kernel runs: the fused RMSNorm / SwiGLU kernels then hand over e4m3
+        activations with per-token scales, and no separate quantisation pass reads them again. The
+        weight-only Triton kernels take bf16 activations."""
+        return "fp8" if self.packed is not None else None
 
-    def forward(self, x):
+    def prefill(self, x, x_scale=None):
+        if x_scale is None:
+            (q, s), out_dtype = quantize_act_fp8(x), x.dtype
+        else:
+            q, s, out_dtype = x, x_scale.reshape(-1).float(), self.dtype
+        return _torchao_sparse_fp8()[1](q, s, self.packed, self.ao_meta, self.scale, None, out_dtype)
+
+    def forward(self, x, x_scale=None):
+        """x bf16 [M, K], or e4m3 [M, K] with its per-token fp32 scale [M] (see input_quant)."""
+        if x_scale is not None and self.packed is None:  # nothing here takes e4m3 activations
+            x, x_scale = (x.float() * x_scale.float().reshape(-1, 1)).to(self.dtype), None
         if not x.is_cuda:
             return sparse24_linear_ref(x, self.tensor, self.scale)
         # Measured on an H200 at both Llama-8B FFN shapes, the CUTLASS kernel (with the activation
         # quantization) beats the weight-only Triton kernels at every M from 1 to 8192, so there is
         # nothing to time: Triton runs only where torchao's kernel is missing.
-        return self.prefill(x) if self.packed is not None else self.decode(x)
+        return self.prefill(x, x_scale) if self.packed is not None else self.decode(x)
 
     def dequantize(self):
         return (decompress_24(self.tensor, torch.float32) * self.scale[:, None]).to(self.dtype)
