@@ -1,17 +1,19 @@
 """NVFP4 weights on Hopper vs bf16 cuBLAS (and fp8 torch._scaled_mm) at Llama-3.1-8B linear shapes.
 
-For every (N, K) and M: time of the NVFP4 kernels (Triton, weights decoded in registers to bf16
-and fed to mma/WGMMA; CuTe DSL sm90, decoded into shared memory for WGMMA), of dequantise-to-bf16
-+ cuBLAS, of bf16 cuBLAS and of fp8 _scaled_mm; the bytes each must move (weights as stored,
-activations, output) and the achieved GB/s as a fraction of the HBM copy bandwidth measured in
-the same run; TFLOP/s next to bf16 cuBLAS at 8192^3, measured here too.
+For every (N, K) and M: time of the NVFP4 kernels (M <= 16: the Gluon decode kernel, mma.sync on
+fragments loaded straight into registers, and the Triton decode kernel, WGMMA, side by side, and
+the Triton tile kernel; larger M: the Triton tile kernel; CuTe DSL sm90, decoded into shared
+memory for WGMMA), of dequantise-to-bf16 + cuBLAS, of bf16 cuBLAS and of fp8 _scaled_mm; the
+bytes each must move (weights as stored, activations, output) and the achieved GB/s as a fraction
+of the HBM copy bandwidth measured in the same run; TFLOP/s next to bf16 cuBLAS at 8192^3,
+measured here too.
 
 Timing: each variant is captured in a CUDA graph that calls it once per weight copy, rotating over
 enough copies to exceed 2x L2, so every call reads its weights from HBM and launch gaps vanish;
 the median of 20 replays, divided by the calls per replay. Usage: python benchmarks/bench_nvfp4.py
-[--quick] [--decode] [--sweep]: --decode times M = 1 and 16 only (the decode kernel, the tile
-kernel it replaced, bf16 cuBLAS, fp8 _scaled_mm; no CuTe DSL); --sweep also times other
-configurations of the decode kernel at M = 1 and 16.
+[--quick] [--decode] [--sweep]: --decode times M = 1, 4 and 16 only (the two decode kernels, the
+tile kernel, bf16 cuBLAS, fp8 _scaled_mm; no CuTe DSL); --sweep also times other configurations
+of both decode kernels at M = 1 and 16.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 from benchmarks.timing import time_graph  # noqa: E402
 from engine.kernels import nvfp4 as nv
 from engine.kernels import nvfp4_decode as dec
+from engine.kernels import nvfp4_decode_gluon as gdec
 
 SHAPES = [(6144, 4096), (28672, 4096), (4096, 14336)]  # qkv, gate+up, down of Llama-3.1-8B
 MS = [1, 16, 128, 1024, 8192]
@@ -76,15 +79,19 @@ def check(name, out, ref, tol=1e-2):
     return err
 
 
-SWEEP = [  # decode kernel: (BLOCK_N, BLOCK_K, words per thread, num_warps, num_stages)
+SWEEP = [  # Triton decode kernel: (BLOCK_N, BLOCK_K, words per thread, num_warps, num_stages)
     (128, 256, 4, 4, 3), (128, 128, 4, 4, 4), (128, 256, 2, 4, 3), (64, 128, 2, 4, 6),
     (128, 128, 2, 8, 3), (256, 256, 4, 8, 3)]
+GLUON_SWEEP = [  # Gluon decode kernel: (num_warps, BLOCK_N, warps along K, words per thread)
+    (4, 16, 4, 4), (4, 32, 2, 4), (4, 64, 1, 4), (4, 32, 4, 4), (8, 16, 8, 4), (4, 16, 4, 8),
+    (4, 32, 2, 8)]
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="one shape, M in {1, 1024}")
-    parser.add_argument("--decode", action="store_true", help="M in {1, 16}, Triton and cuBLAS only")
+    parser.add_argument("--decode", action="store_true",
+                        help="M in {1, 4, 16}: NVFP4 kernels, cuBLAS and fp8 only")
     parser.add_argument("--sweep", action="store_true", help="time other decode-kernel configs")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -97,8 +104,9 @@ def main():
           f"torch {torch.__version__}")
     print(f"HBM copy 1 GiB (read+write): copy_ {copy_eager:.0f} GB/s, elementwise kernel "
           f"{copy_kernel:.0f} GB/s; bf16 cuBLAS 8192^3 {peak_tflops:.0f} TFLOP/s")
-    shapes, ms = (SHAPES[:1], [1, 1024]) if args.quick else (SHAPES, [1, 16] if args.decode else MS)
-    rows, sweep_rows = [], []
+    decode_ms = [1, 4, 16]  # 4: the largest M the Gluon kernel runs in nvfp4_matmul
+    shapes, ms = (SHAPES[:1], [1, 1024]) if args.quick else (SHAPES, decode_ms if args.decode else MS)
+    rows, sweep_rows, gluon_sweep_rows = [], [], []
     for n, k in shapes:
         w_dense = torch.randn(n, k, device="cuda") * 0.02
         w_q = nv.quantize(w_dense)
@@ -128,11 +136,22 @@ def main():
                 rows.append((n, k, m, variant, t_us, nbytes, gbs, gbs / copy_gbs,
                              flops / t_us / 1e6, err))
 
-            measure("nvfp4 Triton", lambda i: dec.nvfp4_matmul(x, qs[i]), copies_q, w_q.nbytes, ref)
-            if m <= dec.SMALL_M:  # the tile kernel, which ran decode before the decode kernel
-                tile_cfg = dec.matmul_config(m, n, k, props.multi_processor_count)
+            sms = props.multi_processor_count
+            if m <= dec.SMALL_M:  # both decode kernels (nvfp4_matmul picks by M), the tile kernel
+                gluon_cfg = gdec.decode_config(m, n, k, sms)
+                measure("nvfp4 Gluon decode",
+                        lambda i: dec.nvfp4_matmul(x, qs[i], config=gluon_cfg), copies_q,
+                        w_q.nbytes, ref)
+                triton_cfg = dec.small_m_config(m, n, k, sms)
+                measure("nvfp4 Triton decode",
+                        lambda i: dec.nvfp4_matmul(x, qs[i], config=triton_cfg), copies_q,
+                        w_q.nbytes, ref)
+                tile_cfg = dec.matmul_config(m, n, k, sms)
                 measure("nvfp4 Triton tile",
                         lambda i: dec.nvfp4_matmul(x, qs[i], config=tile_cfg), copies_q,
+                        w_q.nbytes, ref)
+            else:
+                measure("nvfp4 Triton", lambda i: dec.nvfp4_matmul(x, qs[i]), copies_q,
                         w_q.nbytes, ref)
             if not args.decode:
                 from engine.kernels.cute.nvfp4_sm90 import nvfp4_gemm_sm90
@@ -170,11 +189,32 @@ def main():
                         gbs = (w_q.nbytes + act_out_bytes) / t / 1e3
                         sweep_rows.append((n, k, m, block_n, block_k, wpt, warps, stages, split,
                                            t, gbs / copy_gbs))
+                for warps, block_n, warps_k, wpt in GLUON_SWEEP:
+                    for split in (1, 2, 4, 8):
+                        k_warp = split * warps_k * 32 * wpt  # K one step covers over warps, splits
+                        if k % k_warp or k // k_warp < 2:
+                            continue
+                        cfg = gdec.decode_config(m, n, k, props.multi_processor_count,
+                                                 num_warps=warps, block_n=block_n, warps_k=warps_k,
+                                                 split_k=split, words_per_thread=wpt)
+                        check("gluon sweep", dec.nvfp4_matmul(x, w_q, config=cfg), ref)
+                        t = graph_time_us(lambda i: dec.nvfp4_matmul(x, qs[i], config=cfg),
+                                          copies_q)
+                        gbs = (w_q.nbytes + act_out_bytes) / t / 1e3
+                        gluon_sweep_rows.append((n, k, m, warps, block_n, warps_k, wpt, split, t,
+                                                 gbs / copy_gbs))
         qs = bs = fs = dq_ref = None  # free the copies before the next shape
         torch.cuda.empty_cache()
 
+    if gluon_sweep_rows:
+        print("\nNVFP4 Gluon decode kernel configurations")
+        print("| N | K | M | warps | BLOCK_N | warps along K | words/thread | SPLIT_K | us "
+              "| of copy BW |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in gluon_sweep_rows:
+            print("| " + " | ".join(str(v) for v in r[:8]) + f" | {r[8]:.1f} | {r[9]:.0%} |")
     if sweep_rows:
-        print("\nNVFP4 decode kernel configurations (BLOCK_M = 16)")
+        print("\nNVFP4 Triton decode kernel configurations (BLOCK_M = 16)")
         print("| N | K | M | BLOCK_N | BLOCK_K | words/thread | warps | stages | SPLIT_K | us | of copy BW |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in sweep_rows:
@@ -187,7 +227,8 @@ def main():
         print(f"| {n} | {k} | {m} | {variant} | {t:.1f} | {nbytes / 1e6:.1f} | {gbs:.0f} | "
               f"{frac:.0%} | {tflops:.1f} | {err:.1e} |")
     by_key = {(n, k, m, v): t for n, k, m, v, t, *_ in rows}
-    for variant in ("nvfp4 Triton", "nvfp4 Triton tile", "nvfp4 CuTe sm90", "nvfp4 dequant+cuBLAS"):
+    for variant in ("nvfp4 Gluon decode", "nvfp4 Triton decode", "nvfp4 Triton",
+                    "nvfp4 Triton tile", "nvfp4 CuTe sm90", "nvfp4 dequant+cuBLAS"):
         if not any(key[3] == variant for key in by_key):
             continue
         print(f"\nspeed-up of {variant} over bf16 cuBLAS")

@@ -187,28 +187,37 @@ def _bf16_bits_to_float(bits: int) -> float:
 
 
 def _run_decode_ptx(ptx: str, operands: dict) -> dict:
-    """Execute the decode PTX's four instruction kinds (and, mul.lo, shr, mul.rn.bf16x2) in Python.
-    bf16 products are computed exactly (they are exact on the GPU: <= 5 significant bits)."""
+    """Execute the decoders' PTX in Python: and, mul.lo, shr, shl, mov, cvt.u32.u16, prmt (default
+    mode) and mul.rn.bf16x2, whose products are computed exactly (they are exact on the GPU:
+    <= 6 significant bits; bf16 subnormals included)."""
     import re
     import struct
     regs = dict(operands)
     for line in ptx.splitlines():
-        m = re.match(r"(\S+) (\S+), (\S+), (\S+);", line.strip())
-        if not m:
+        m = re.match(r"([a-z0-9.]+) ([^;]+);", line.strip())
+        if not m or m.group(1).startswith("."):
             continue
-        op, d, a, b = m.groups()
-        va = regs[a] if a in regs else int(a, 16)
-        vb = regs[b] if b in regs else int(b, 16)
+        op, args = m.group(1), [a.strip() for a in m.group(2).split(",")]
+        d, vals = args[0], [regs[a] if a in regs else int(a, 0) for a in args[1:]]
         if op == "and.b32":
-            regs[d] = va & vb
+            regs[d] = vals[0] & vals[1]
         elif op == "mul.lo.u32":
-            regs[d] = (va * vb) & 0xFFFFFFFF
+            regs[d] = (vals[0] * vals[1]) & 0xFFFFFFFF
         elif op == "shr.u32":
-            regs[d] = va >> int(b)
+            regs[d] = vals[0] >> vals[1]
+        elif op == "shl.b32":
+            regs[d] = (vals[0] << vals[1]) & 0xFFFFFFFF
+        elif op in ("mov.b32", "cvt.u32.u16"):
+            regs[d] = vals[0] & (0xFFFF if op == "cvt.u32.u16" else 0xFFFFFFFF)
+        elif op == "prmt.b32":
+            pool = vals[0] | vals[1] << 32
+            sel = [(vals[2] >> (4 * i)) & 0xF for i in range(4)]
+            assert all(s_ < 8 for s_ in sel), "sign-replicate mode not modelled"
+            regs[d] = sum(((pool >> (8 * s_)) & 0xFF) << (8 * i) for i, s_ in enumerate(sel))
         elif op == "mul.rn.bf16x2":
             lanes = []
             for shift in (0, 16):
-                prod = _bf16_bits_to_float(va >> shift) * _bf16_bits_to_float(vb >> shift)
+                prod = _bf16_bits_to_float(vals[0] >> shift) * _bf16_bits_to_float(vals[1] >> shift)
                 f32 = struct.unpack("<I", struct.pack("<f", prod))[0]
                 assert f32 & 0xFFFF == 0, "inexact bf16 product"
                 lanes.append(f32 >> 16)
@@ -245,6 +254,90 @@ def test_decode_ptx_matches_arithmetic_decode():
                         code = (w_ >> (4 * (h + 2 * b + 4 * p))) & 0xF
                         want = float(nv.e2m1_decode(torch.tensor([code], dtype=torch.uint8)))
                         assert got == want * scale * 2.0 ** -8, (trial, r8, h, b, p, code)
+
+
+def test_gluon_scale_asm_every_e4m3_code():
+    # The Gluon kernel's block-scale conversion: 2 (u16) or 4 (u32) e4m3 codes -> as many bf16x2
+    # words, each s x 2^118 twice, exact for every finite non-negative code, subnormals included.
+    from engine.kernels.nvfp4_decode_gluon import _SCALE2_ASM, _SCALE4_ASM
+    codes = torch.arange(0, 0x7F, dtype=torch.uint8)  # 0x7F is NaN; block scales are >= 0
+    values = codes.view(torch.float8_e4m3fn).double().tolist()
+    for asm, count in ((_SCALE2_ASM, 2), (_SCALE4_ASM, 4)):
+        picks = torch.stack([torch.randperm(127) for _ in range(count)], 1).tolist()
+        for trial in picks:
+            packed = sum(code << (8 * i) for i, code in enumerate(trial))
+            regs = _run_decode_ptx(asm.value, {f"${count}": packed})
+            for i, code in enumerate(trial):
+                for half in (0, 16):
+                    got = _bf16_bits_to_float(regs[f"${i}"] >> half)
+                    assert got == values[code] * 2.0 ** 118, (count, code, got)
+
+
+def test_gluon_decode_asm_nibble_order():
+    # The Gluon kernel's decode of one word: register j lane p holds nibble j + 4p, times the
+    # scale (given as s x 2^118) x 2^-126 (the e2m1 bits decoded by position): value x s x 2^-8.
+    from engine.kernels.nvfp4_decode_gluon import _DECODE_ASM
+    magnitudes = [float(v) for v in nv.E2M1_MAGNITUDES[1:]] + [2.0 ** -9, 448.0, 0.0, 0.75]
+    for trial in range(64):
+        word = int(torch.randint(0, 2**32, ()).item()) if trial else 0x76543210
+        scale = magnitudes[trial % len(magnitudes)]
+        bits = int(torch.tensor(scale * 2.0 ** 118).bfloat16().view(torch.int16).item()) & 0xFFFF
+        regs = _run_decode_ptx(_DECODE_ASM.value, {"$4": word, "$12": bits * 0x10001})
+        for j in range(4):
+            for p in (0, 1):
+                code = (word >> (4 * (j + 4 * p))) & 0xF
+                want = float(nv.e2m1_decode(torch.tensor([code], dtype=torch.uint8)))
+                got = _bf16_bits_to_float(regs[f"${j}"] >> (16 * p))
+                assert got == want * scale * 2.0 ** -8, (trial, j, p, code)
+
+
+def _ptx_loops(ptx: str) -> list[str]:
+    """The bodies of a PTX function's loops: from a label to a later branch back to it."""
+    import re
+    lines = ptx.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines)
+              if (m := re.match(r"(\$L__BB\w+):", line))}
+    return ["\n".join(lines[labels[m.group(1)]:i]) for i, line in enumerate(lines)
+            if (m := re.search(r"bra(?:\.uni)?\s+(\$L__BB\w+);", line))
+            and labels.get(m.group(1), i) < i]
+
+
+def test_gluon_decode_kernel_compiles_for_sm90():
+    # Compiled on the CPU for sm_90: the K loop is mma.sync on registers only. Packed words arrive
+    # 16 bytes a thread straight in the MMA's A-operand registers, x as 16-byte vectors; no shared
+    # memory in the loop, none at all where the warps split rows only (WK = 1, no split-K); with
+    # WK = 4 the warps' K slices meet once, after the loop.
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.ampere")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from engine.kernels.nvfp4_decode_gluon import nvfp4_decode_kernel
+    names = ["x_ptr", "words_ptr", "scale_ptr", "tensor_scale_ptr", "out_ptr", "acc_ptr",
+             "count_ptr", "M", "N", "stride_xm", "stride_om", "K", "BLOCK_N", "WPT", "MP", "WK",
+             "SPLIT_K"]
+    types = ["*bf16", "*i32", "*u8", "*fp32", "*bf16", "*fp32", "*i32", "i32", "i32", "i32", "i32"]
+    for block_n, wk, mp in ((64, 1, 8), (16, 4, 16)):
+        constexprs = {"K": 4096, "BLOCK_N": block_n, "WPT": 4, "MP": mp, "WK": wk, "SPLIT_K": 1}
+        signature = dict(zip(names, types + ["constexpr"] * 6))
+        attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 9, 10)}
+        src = GluonASTSource(nvfp4_decode_kernel, signature,
+                             {(names.index(n),): v for n, v in constexprs.items()}, attrs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        ptx = compiled.asm["ptx"]
+        loops = _ptx_loops(ptx)
+        assert len(loops) == 1, len(loops)
+        body = loops[0]
+        # Per thread and loop body (2 K steps of 128): 2 16-row blocks' worth of 16-byte word
+        # loads (rows g and g+8) over the warp's 64 // (16 * (4 // wk)) blocks, 8 k16 MMAs per
+        # block, step and 8-token tile.
+        blocks = block_n // (16 * (4 // wk))
+        vector_loads = body.count("ld.global.v4.b32")
+        assert vector_loads == 2 * 2 * blocks + 2 * 4 * (mp // 8), vector_loads
+        mmas = body.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")
+        assert mmas == 2 * 8 * blocks * (mp // 8), mmas
+        assert "shared" not in body and "bar.sync" not in body
+        shared = ptx.count("ld.shared") + ptx.count("st.shared")
+        assert (shared == 0) if wk == 1 else (shared > 0), shared
 
 
 @pytest.mark.interpreter
@@ -344,11 +437,14 @@ def test_gpu_decode_kernel_configs_and_tails():
     for n, k in [(int(torch.randint(65, 3000, ())), 4096), (4096, 14336), (300, 576)]:
         w = nv.quantize(torch.randn(n, k, device="cuda") * 0.02)
         dq = nv.dequantize(w).double()
-        configs = [None] + [small_m_config(1, n, k, 132, block_n=bn, block_k=bk,
-                                           words_per_thread=wpt, split_k=split)
-                            for bn, bk, wpt, split in [(64, 256, 1, 2), (128, 256, 2, 8),
-                                                       (64, 128, 4, 4), (128, 512, 4, 1)]
-                            if k % (bk * split) == 0 and bk >= 32 * wpt]
+        # The Triton decode kernel by its configs (config None would pick the Gluon kernel at
+        # M <= 4 on sm_90): its defaults and four others.
+        configs = [small_m_config(1, n, k, 132)] + [
+            small_m_config(1, n, k, 132, block_n=bn, block_k=bk, words_per_thread=wpt,
+                           split_k=split)
+            for bn, bk, wpt, split in [(64, 256, 1, 2), (128, 256, 2, 8), (64, 128, 4, 4),
+                                       (128, 512, 4, 1)]
+            if k % (bk * split) == 0 and bk >= 32 * wpt]
         for config in configs:
             for m in (1, int(torch.randint(2, 16, ())), 16):
                 for _ in range(2):
@@ -357,6 +453,36 @@ def test_gpu_decode_kernel_configs_and_tails():
                     nvfp4_matmul(x, w, config=config, out=out)
                     assert not out.isnan().any(), (n, k, m, config)
                     assert rel_err(out, x.double() @ dq.t()) < 1e-5, (n, k, m, config)
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_decode_kernel_configs_and_tails():
+    # The Gluon decode kernel: random N (tails), K with an odd number of steps (576), M from both
+    # token tiles (1..8 and 9..16), warps along rows and along K, 2, 4 or 8 words per thread and
+    # step, split-K up to 4, each config twice (the split-K accumulator must be back at zero),
+    # outputs poisoned first.
+    from engine.kernels.nvfp4_decode_gluon import decode_config, decode_matmul
+    torch.manual_seed(2)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for n, k in [(int(torch.randint(65, 3000, ())), 4096), (4096, 14336), (300, 576)]:
+        w = nv.quantize(torch.randn(n, k, device="cuda") * torch.rand(n, 1, device="cuda"))
+        dq = nv.dequantize(w).double()
+        configs = [None] + [decode_config(1, n, k, sms, num_warps=nw, block_n=bn, warps_k=wk,
+                                          split_k=split, words_per_thread=wpt)
+                            for nw, bn, wk, split, wpt in [(4, 64, 1, 2, 4), (4, 32, 2, 4, 4),
+                                                           (8, 32, 4, 1, 8), (4, 16, 4, 2, 8),
+                                                           (2, 32, 1, 3, 2)]
+                            if k % (split * wk * 32 * wpt) == 0 and k != 14336]
+        for config in configs:
+            for m in (1, int(torch.randint(2, 9, ())), 9, int(torch.randint(10, 17, ()))):
+                for _ in range(2):
+                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                    ref = x.double() @ dq.t()
+                    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 5e-3)):
+                        out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+                        decode_matmul(x, w, out, config)
+                        assert not out.isnan().any(), (n, k, m, config, dtype)
+                        assert rel_err(out, ref) < tol, (n, k, m, config, dtype)
 
 
 @pytest.mark.gpu
@@ -369,7 +495,7 @@ def test_gpu_decode_kernel_arithmetic_fallback(monkeypatch):
         for m in (1, 16):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float32)
-            dec.nvfp4_matmul(x, w, out=out)
+            dec.nvfp4_matmul(x, w, out=out, config=dec.small_m_config(m, n, k, 132))
             assert not out.isnan().any()
             assert rel_err(out, x.double() @ nv.dequantize(w).double().t()) < 1e-5, (n, k, m)
 

@@ -11,8 +11,9 @@ A weight element is w = e2m1 * block_scale * tensor_scale.
 
 `to_blocked` gives the block-scale arrangement tcgen05 block-scaled MMA reads from memory (the
 "128x4" layout; engine/kernels/cute/nvfp4_gemm_sm100.py). `nvfp4_linear` dispatches: on CUDA the
-Triton kernel of engine/kernels/nvfp4_decode.py (weights decoded in registers, fed to the tensor
-cores) or, for large M, dequantise + cuBLAS; the reference elsewhere.
+kernels of engine/kernels/nvfp4_decode.py (weights decoded in registers, fed to the tensor cores:
+the Gluon decode kernel for M <= 4 on sm_90, Triton kernels otherwise) or, for large M,
+dequantise + cuBLAS; the reference elsewhere.
 """
 from __future__ import annotations
 

@@ -1,6 +1,13 @@
 """NVFP4 weights on Hopper (no FP4 tensor cores): Triton kernels that decode e2m1 in registers.
 
-`nvfp4_matmul(x, w)`: y = x @ W^T for bf16 activations and an NVFP4 weight.
+`nvfp4_matmul(x, w)`: y = x @ W^T for bf16 activations and an NVFP4 weight. Dispatch on sm_90:
+M <= GLUON_MAX_M (4) the Gluon decode kernel (engine/kernels/nvfp4_decode_gluon.py: mma.sync on
+fragments loaded straight into registers, x reused from L1; 1.04-1.26x this module's decode
+kernel at M = 1 and 4 on the Llama-3.1-8B shapes, slower at 16), 4 < M <= 16 `_small_m_kernel`
+below, larger M the tile kernel; elsewhere (other GPUs, the interpreter) `_small_m_kernel` for
+every M <= 16. A config dict picks a kernel explicitly (decode_config's: Gluon, small_m_config's:
+`_small_m_kernel`, matmul_config's: the tile kernel), which the benchmark uses to time them side
+by side.
 
 Decode (M <= 16, `_small_m_kernel`): a weight-streaming kernel. The weight tile is the MMA's A
 operand (its rows on the M side, x^T the [K, 16] B operand), so one token still feeds the tensor
@@ -57,6 +64,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.nvfp4 import E2M1_BF16_LUT_PTX, Nvfp4Tensor, nvfp4_linear_reference
+from engine.kernels.nvfp4_decode_gluon import decode_matmul
 from engine.kernels.split_k import split_k_arrive, split_k_buffers, split_k_take
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -361,6 +369,20 @@ def _small_m_kernel(
 
 
 SMALL_M = 16
+# The Gluon decode kernel's range: faster than _small_m_kernel at M = 1, 2, 4 on all three
+# Llama-3.1-8B shapes, mixed at 8, slower at 16 (H200; engine/kernels/nvfp4_decode_gluon.py).
+GLUON_MAX_M = 4
+_GLUON_DEVICE: dict = {}
+
+
+def _gluon_device(device) -> bool:
+    """Where the Gluon decode kernel runs: compiled (not the interpreter) for sm_90, the only
+    architecture it was written and measured for (mul.rn.bf16x2 needs sm_90 or later)."""
+    if INTERPRET or device.type != "cuda":
+        return False
+    if device not in _GLUON_DEVICE:
+        _GLUON_DEVICE[device] = torch.cuda.get_device_capability(device) == (9, 0)
+    return _GLUON_DEVICE[device]
 
 
 def small_m_config(m: int, n: int, k: int, sm_count: int, block_n: int | None = None,
@@ -498,8 +520,8 @@ def supported(x: torch.Tensor, w: Nvfp4Tensor) -> bool:
 def nvfp4_matmul(x: torch.Tensor, w: Nvfp4Tensor, out_dtype: torch.dtype = torch.bfloat16,
                  config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """y[M, N] = x[M, K] @ W^T, W in NVFP4, fp32 accumulation; written into `out` if given.
-    M <= 16 runs the decode kernel (config: small_m_config's dict), larger M the tile kernel
-    (config: matmul_config's dict)."""
+    Kernel by M and device (module docstring) or by the config dict given: decode_config's (the
+    Gluon decode kernel), small_m_config's (`_small_m_kernel`) or matmul_config's (tile kernel)."""
     m, k = x.shape
     n = w.shape[0]
     if out is None:
@@ -508,6 +530,8 @@ def nvfp4_matmul(x: torch.Tensor, w: Nvfp4Tensor, out_dtype: torch.dtype = torch
         return out.copy_(nvfp4_linear_reference(x, w, out.dtype))
     if x.dtype != torch.bfloat16:
         x = x.to(torch.bfloat16)
+    if (config is None and m <= GLUON_MAX_M and _gluon_device(x.device)) or (config and "WK" in config):
+        return decode_matmul(x, w, out, config)
     if m <= SMALL_M and (config is None or "WPT" in config):
         return _small_m_matmul(x, w, out, config)
     cfg = dict(config or matmul_config(m, n, k, _sm_count(x.device)))

@@ -1,0 +1,400 @@
+"""NVFP4 decode GEMM for Hopper (M <= 16 tokens), in Gluon: y = x @ W^T, W an Nvfp4Tensor.
+
+`decode_matmul(x, w, out)` is what `nvfp4_matmul` (engine/kernels/nvfp4_decode.py) runs for
+M <= GLUON_MAX_M on sm_90; `decode_config` picks its tiling.
+
+Design (Marlin-style, every operand in registers; explicit layouts, checked at compile time):
+- mma.sync m16n8k16 bf16 -> fp32, the weights the A operand (16 rows), x^T the B operand (one
+  n8 tile of tokens for M <= 8, two for 9..16).
+- Each thread's packed words are loaded straight into the registers of its A fragment: the same
+  K permutation as the Triton decode kernel (`_logical_k` there; W and x permuted alike, so the
+  dot product is unchanged) makes the 8 K values a thread holds per 32 K of a row one packed
+  word; thread q of a lane quad loads WPT consecutive words (16 bytes at WPT = 4) of rows g and
+  g + 8. `words_layout` spells that out as a linear layout, and every reshape / permute from the
+  loaded words to the MMA operand is a `convert_layout(..., assert_trivial=True)`: the compiler
+  refuses the kernel if any of them would move data between threads.
+- Decode in inline PTX (`_DECODE_ASM`), per word: 13 integer instructions place each e2m1 code's
+  sign on bf16 bit 15 and its magnitude on bits 8:6 (value x 2^-126, 0.5 a bf16 subnormal) and
+  4 bf16x2 multiplies apply the block scale, pre-converted to bf16 x 2^118 (`_scale_asm`:
+  e4m3 bits shifted into bf16 position, subnormals included, then two exact multiplies by 2^119);
+  the epilogue multiplies by 2^8 x tensor scale. Register j of a word holds nibbles (j, j + 4),
+  the pairs one multiply-and-mask can place 16 bits apart.
+- x: 16-byte loads in physical K order, permuted in registers to the same logical order (a byte
+  permute per bf16 pair; from L1, it is reused by every program on the SM). Rows past M re-read
+  row M-1 and rows past N re-read row N-1, so the K loop has no masks.
+- Two K steps in flight per warp: the loop body computes steps i, i+1 and refills their registers
+  with steps i+2, i+3 (plain loads; the pointers advance once per body and each step is a
+  constant offset folded into the load).
+- Work split: a program is `num_warps` warps over BLOCK_N rows; WK of them split K (warp w takes
+  K steps w, w + WK, ..: neighbouring chunks of the same rows) and the other num_warps / WK split
+  the rows; the WK partial sums meet once, after the loop, through shared memory (`gl.sum` over
+  the leading axis of a batched MMA layout). SPLIT_K > 1 splits K across programs, reduced in the
+  same launch like engine/kernels/split_k.py (`_split_k_arrive` / `_split_k_take`, the same
+  protocol and buffers, in Gluon).
+
+Measured (H200, CUDA-graph medians, weights rotated beyond L2; bench_nvfp4.py --decode, copy
+4263 GB/s): at M = 1, 8.9 / 26.0 / 16.5 us for 6144 x 4096, 28672 x 4096, 4096 x 14336, i.e.
+37% / 60% / 47% of copy bandwidth, 1.13x / 1.26x / 1.08x the Triton decode kernel and 1.8-2.2x
+bf16 cuBLAS; 1.04-1.14x the Triton kernel at M = 4. Slower at M = 16 (13.4 / 59.8 / 34.9 us
+against 10.5 / 32.5 / 18.2; mixed at M = 8), so `nvfp4_matmul` keeps the Triton kernel there:
+each warp loads its own x fragment, 4 KB per K step at 16 tokens against 1 KB of weights (ncu,
+28672 x 4096, 128-row programs: 5x the weight bytes through L1, L1 71% busy), where WGMMA reads
+x from shared memory once per warpgroup.
+
+What limits M = 1 is the access pattern more than the decode: the same loads with the decode left
+out (a probe, not kept) reached 46-64% of copy bandwidth with 64 contiguous bytes per row, warp
+and step, 55-72% with 128 (WPT = 8, which is slower once the decode is back: fewer steps per warp,
+more registers). ncu at 28672 x 4096, M = 1: 55% DRAM throughput, 53% issue-active, 72 registers
+(7 programs per SM), long-scoreboard stalls half of the warps' cycles. Reaching 75% needs longer
+contiguous runs per row than the fragment layout gives each warp, e.g. coalesced copies into
+shared memory with the fragments read from there.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from engine.kernels.split_k import split_k_buffers
+
+
+@gluon.constexpr_function
+def _log2(v: int) -> int:
+    assert v > 0 and v & (v - 1) == 0, v
+    return v.bit_length() - 1
+
+
+@gluon.constexpr_function
+def _bases(block_n: int, wn: int, wk: int):
+    """Where the MMA's A operand (and accumulator) puts rows, for [wk, block_n, ...] tensors: rows
+    +1, +2, +4 on lanes, +8 in a register, +16.. on the wn row warps, further 16*wn-row blocks in
+    registers; the wk warps along K (the leading dimension) after the row warps."""
+    regs = [[0, 8, 0]] + [[0, 16 * wn << i, 0] for i in range(_log2(block_n // (16 * wn)))]
+    lanes = [[0, 1, 0], [0, 2, 0], [0, 4, 0]]
+    warps = [[0, 16 << i, 0] for i in range(_log2(wn))] + [[1 << i, 0, 0] for i in range(_log2(wk))]
+    return regs, lanes, warps
+
+
+@gluon.constexpr_function
+def mma_layout(wn, wk):
+    """mma.sync m16n8k16, a batch of wk independent K slices (one per warp group along K)."""
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[wk, wn, 1],
+                                     instr_shape=[1, 16, 8])
+
+
+@gluon.constexpr_function
+def words_layout(block_n, wpt, wn, wk):
+    """[wk, block_n, 4*wpt] int32 packed words of one K step: thread q of a row's lane quad holds
+    words q*wpt .. q*wpt + wpt-1 (4*wpt contiguous bytes), rows as in the MMA's A operand."""
+    regs, lanes, warps = _bases(block_n, wn, wk)
+    word_regs = [[0, 0, 1 << i] for i in range(_log2(wpt))]
+    return gl.DistributedLinearLayout(
+        reg_bases=word_regs + regs, lane_bases=[[0, 0, wpt], [0, 0, 2 * wpt]] + lanes,
+        warp_bases=warps, block_bases=[], shape=[wk, block_n, 4 * wpt])
+
+
+@gluon.constexpr_function
+def scales_layout(block_n, wn, wk):
+    """[wk, block_n, 4] block scales of one K step, each element the wpt/2 scales (u8, u16 or u32)
+    of one thread's words: thread q of a row's lane quad holds element q."""
+    regs, lanes, warps = _bases(block_n, wn, wk)
+    return gl.DistributedLinearLayout(
+        reg_bases=regs, lane_bases=[[0, 0, 1], [0, 0, 2]] + lanes, warp_bases=warps,
+        block_bases=[], shape=[wk, block_n, 4])
+
+
+@gluon.constexpr_function
+def x_layout(mp, wpt, wn, wk):
+    """[wk, mp, 32*wpt] bf16 activations of one K step in physical K order: thread (g, q) holds
+    row g (and g + 8), physical K 8*wpt*q .. 8*wpt*q + 8*wpt - 1 (16-byte loads); the row warps
+    all load the same."""
+    k_regs = [[0, 0, 1 << i] for i in range(3 + _log2(wpt))]
+    m_regs = [[0, 8, 0]] if mp == 16 else []
+    return gl.DistributedLinearLayout(
+        reg_bases=k_regs + m_regs,
+        lane_bases=[[0, 0, 8 * wpt], [0, 0, 16 * wpt], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+        warp_bases=[[0, 0, 0]] * _log2(wn) + [[1 << i, 0, 0] for i in range(_log2(wk))],
+        block_bases=[], shape=[wk, mp, 32 * wpt])
+
+
+def _decode_asm() -> str:
+    """One packed word (8 e2m1 codes) and its block scale (bf16x2, s x 2^118 twice) -> 4 bf16x2
+    registers: register j = nibbles (j, j + 4), each as value x scale x 2^-8. Called with pack=8 on
+    the word and scale repeated 8 times (`_dup8`): $4..$11 all hold the word, $12..$19 the scale.
+    Per pair: mask the two nibbles (16 bits apart), multiply by 2^6 + 2^12 (nibbles at bit 0) or
+    2^2 + 2^8 (at bit 4) to put the magnitude on bits 8:6 and the sign on bit 15 of each half,
+    mask again, multiply by the scale."""
+    lines = ["{", ".reg .b32 t0, t1;"]
+    for out, src, mask, mul in (("$0", "$4", "0x000F000F", "0x1040"),
+                                ("$1", "$4", "0x00F000F0", "0x104"),
+                                ("$2", "t1", "0x000F000F", "0x1040"),
+                                ("$3", "t1", "0x00F000F0", "0x104")):
+        if out == "$2":
+            lines.append("shr.u32 t1, $4, 8;")
+        lines += [f"and.b32 t0, {src}, {mask};", f"mul.lo.u32 t0, t0, {mul};",
+                  "and.b32 t0, t0, 0x81C081C0;", f"mul.rn.bf16x2 {out}, t0, $12;"]
+    return "\n".join(lines + ["}"])
+
+
+_DECODE_ASM = gl.constexpr(_decode_asm())
+_DECODE_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 4 + ["r"] * 16))
+
+
+def _scale_asm(count: int) -> str:
+    """`count` (2 or 4) e4m3 block scales in one 16- or 32-bit register -> `count` bf16x2 words,
+    s x 2^118 twice each: spread the bytes to bf16 halves, shift left by 4 (e4m3's exponent and
+    mantissa land on bf16's exponent low bits and mantissa top: the value x 2^-120, subnormals
+    included; block scales are >= 0), multiply by 2^119 twice (exact), copy each half to both."""
+    lines = ["{", ".reg .b32 t, c, src;", "mov.b32 c, 0x7B007B00;",
+             "cvt.u32.u16 src, $2;" if count == 2 else "mov.b32 src, $4;"]
+    for pair in range(count // 2):
+        lines += [f"prmt.b32 t, src, 0, {0x5140 + 0x202 * pair:#x};", "shl.b32 t, t, 4;",
+                  "mul.rn.bf16x2 t, t, c;", "mul.rn.bf16x2 t, t, c;",
+                  f"prmt.b32 ${2 * pair}, t, 0, 0x1010;",
+                  f"prmt.b32 ${2 * pair + 1}, t, 0, 0x3232;"]
+    return "\n".join(lines + ["}"])
+
+
+_SCALE2_ASM = gl.constexpr(_scale_asm(2))
+_SCALE4_ASM = gl.constexpr(_scale_asm(4))
+
+
+@gluon.jit
+def _dup8(v):
+    """[..., W] -> [..., W, 2, 2, 2], each value repeated (3 register bits, no data movement)."""
+    v = gl.join(v, v)
+    v = gl.join(v, v)
+    return gl.join(v, v)
+
+
+@gluon.jit
+def _load_step(words_ptrs, scale_ptrs, j: gl.constexpr, STEP_K: gl.constexpr, WK: gl.constexpr):
+    """Packed words and block scales of the j-th K step after the pointers' (the warps' K slices
+    interleave step by step, WK * STEP_K apart): a compile-time offset, folded into the load's
+    address. Rows past N were clamped, so nothing is masked."""
+    words = gl.load(words_ptrs + j * WK * (STEP_K // 8))
+    scales = gl.load(scale_ptrs + j * WK * 4)
+    return words, scales
+
+
+@gluon.jit
+def _word_scales(scales, words, WK: gl.constexpr, BLOCK_N: gl.constexpr, WPT: gl.constexpr):
+    """Block scales [WK, BLOCK_N, 4] (element q: the WPT/2 scales of thread q's words) -> one
+    bf16x2 scale (s x 2^118 twice) per packed word, in the words' layout; word j = WPT*q + c has
+    scale WPT/2*q + c//2."""
+    if WPT == 8:
+        s0, s1, s2, s3 = gl.inline_asm_elementwise(
+            _SCALE4_ASM, "=r,=r,=r,=r,r", [scales], dtype=(gl.int32,) * 4, is_pure=True, pack=1)
+        s = gl.join(gl.join(s0, s1), gl.join(s2, s3)).permute(0, 1, 2, 4, 3)
+    elif WPT == 4:
+        s0, s1 = gl.inline_asm_elementwise(_SCALE2_ASM, "=r,=r,h", [scales], dtype=(gl.int32,) * 2,
+                                           is_pure=True, pack=1)
+        s = gl.join(s0, s1)
+    else:
+        s0, s1 = gl.inline_asm_elementwise(_SCALE2_ASM, "=r,=r,h", [scales.to(gl.uint16)],
+                                           dtype=(gl.int32,) * 2, is_pure=True, pack=1)
+        s = s0
+    s = gl.join(s, s).reshape(WK, BLOCK_N, 4 * WPT)
+    return gl.convert_layout(s, words.type.layout, assert_trivial=True)
+
+
+@gluon.jit
+def _mma_step(words, scales, x, acc, WK: gl.constexpr, BLOCK_N: gl.constexpr, WPT: gl.constexpr,
+              MP: gl.constexpr):
+    """acc += decode(words, scales) @ x^T for one K step, all in registers."""
+    STEP_K: gl.constexpr = 32 * WPT
+    mma: gl.constexpr = acc.type.layout
+    s = _word_scales(scales, words, WK, BLOCK_N, WPT)
+    w = gl.inline_asm_elementwise(_DECODE_ASM, _DECODE_CONSTRAINTS, [_dup8(words), _dup8(s)],
+                                  dtype=gl.bfloat16, is_pure=True, pack=8)
+    # [.., rows, word j = (q, c), b, h, p] -> logical K = 32c + 16b + 8h + 2q + p
+    w = w.reshape(WK, BLOCK_N, 4, WPT, 2, 2, 2).permute(0, 1, 3, 4, 5, 2, 6)
+    a = gl.convert_layout(w.reshape(WK, BLOCK_N, STEP_K), gl.DotOperandLayout(0, mma, 2),
+                          assert_trivial=True)
+    # x: physical K = 8*WPT*q + 8c + 4p + 2b + h -> the same logical order
+    xt = x.reshape(WK, MP, 4, WPT, 2, 2, 2).permute(0, 1, 3, 5, 6, 2, 4).reshape(WK, MP, STEP_K)
+    b = gl.convert_layout(xt.permute(0, 2, 1), gl.DotOperandLayout(1, mma, 2), assert_trivial=True)
+    return mma_v2(a, b, acc)
+
+
+@gluon.jit
+def _split_k_arrive(acc, acc_ptrs, mask, counter_ptr, SPLIT_K: gl.constexpr):
+    """engine/kernels/split_k.py's split_k_arrive in Gluon: add the partial sums, count the
+    arrival; true in the program that arrives last."""
+    gl.atomic_add(acc_ptrs, acc, mask=mask, sem="relaxed")
+    gl.thread_barrier()
+    arrived = gl.atomic_add(counter_ptr, 1, sem="acq_rel")
+    gl.thread_barrier()
+    return arrived == SPLIT_K - 1
+
+
+@gluon.jit
+def _split_k_take(acc_ptrs, mask, counter_ptr):
+    """split_k_take in Gluon: the summed accumulator; leaves it and the counter zero."""
+    total = gl.load(acc_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    gl.thread_barrier()
+    gl.store(acc_ptrs, gl.zeros_like(total), mask=mask)
+    gl.store(counter_ptr, 0)
+    return total
+
+
+@gluon.jit(do_not_specialize=["M"])  # one binary for every M of a tile width
+def nvfp4_decode_kernel(
+    x_ptr, words_ptr, scale_ptr, tensor_scale_ptr, out_ptr, acc_ptr, count_ptr,
+    M, N, stride_xm, stride_om, K: gl.constexpr,
+    BLOCK_N: gl.constexpr, WPT: gl.constexpr, MP: gl.constexpr, WK: gl.constexpr,
+    SPLIT_K: gl.constexpr,
+):
+    """y[M, N] = x @ W^T for M <= MP (8 or 16: one or two n8 token tiles). words_ptr is the packed
+    weight as int32 [N, K/8], scale_ptr its e4m3 block scales [N, K/16] (read WPT/2 at a time);
+    with SPLIT_K > 1 the programs of a row tile add into acc_ptr (fp32 [M, N], zero on entry) and
+    the last one writes y and zeroes acc_ptr and its counter in count_ptr."""
+    WN: gl.constexpr = gl.num_warps() // WK
+    STEP_K: gl.constexpr = 32 * WPT
+    K_CTA: gl.constexpr = K // SPLIT_K
+    STEPS: gl.constexpr = K_CTA // (WK * STEP_K)  # per warp
+    SCALE_K: gl.constexpr = 8 * WPT  # K per scale element (u8, u16 or u32: a thread's scales)
+    mma: gl.constexpr = mma_layout(WN, WK)
+    w_layout: gl.constexpr = words_layout(BLOCK_N, WPT, WN, WK)
+    s_layout: gl.constexpr = scales_layout(BLOCK_N, WN, WK)
+    xl: gl.constexpr = x_layout(MP, WPT, WN, WK)
+
+    pid_n = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    k0 = pid_k * K_CTA
+
+    # Offsets of [warp's K slice, row, column]; warp slice w takes steps w, w + WK, ... (the
+    # CTA's warps read neighbouring chunks of the same rows together). Rows past N (tail tile)
+    # re-read row N-1 and are never stored, x rows past M re-read row M-1: no masks in the loop.
+    w_ks = gl.arange(0, WK, layout=gl.SliceLayout(1, gl.SliceLayout(2, w_layout)))
+    w_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, w_layout)))
+    w_cols = gl.arange(0, 4 * WPT, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_layout)))
+    offs_w = (w_ks[:, None, None] * (STEP_K // 8)
+              + gl.minimum(n0 + w_rows, N - 1)[None, :, None] * (K // 8) + w_cols[None, None, :])
+    s_ks = gl.arange(0, WK, layout=gl.SliceLayout(1, gl.SliceLayout(2, s_layout)))
+    s_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, s_layout)))
+    s_cols = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, s_layout)))
+    offs_s = (s_ks[:, None, None] * 4 + gl.minimum(n0 + s_rows, N - 1)[None, :, None] * (K // SCALE_K)
+              + s_cols[None, None, :])
+    x_ks = gl.arange(0, WK, layout=gl.SliceLayout(1, gl.SliceLayout(2, xl)))
+    x_rows = gl.arange(0, MP, layout=gl.SliceLayout(0, gl.SliceLayout(2, xl)))
+    x_cols = gl.arange(0, STEP_K, layout=gl.SliceLayout(0, gl.SliceLayout(1, xl)))
+    offs_x = (x_ks[:, None, None] * STEP_K + gl.minimum(x_rows, M - 1)[None, :, None] * stride_xm
+              + x_cols[None, None, :])
+    words_ptrs = words_ptr + k0 // 8 + offs_w
+    if WPT == 8:
+        scale_ptrs = scale_ptr.to(gl.pointer_type(gl.uint32), bitcast=True) + k0 // SCALE_K + offs_s
+    elif WPT == 4:
+        scale_ptrs = scale_ptr.to(gl.pointer_type(gl.uint16), bitcast=True) + k0 // SCALE_K + offs_s
+    else:
+        scale_ptrs = scale_ptr + k0 // SCALE_K + offs_s
+    x_ptrs = x_ptr + k0 + offs_x
+
+    acc = gl.zeros([WK, BLOCK_N, MP], gl.float32, layout=mma)
+    # Two steps in flight: the loop body consumes steps i, i+1 and refills them with i+2, i+3;
+    # the pointers advance once per body, the steps are constant offsets from them.
+    w_a, s_a = _load_step(words_ptrs, scale_ptrs, 0, STEP_K, WK)
+    if STEPS > 1:
+        w_b, s_b = _load_step(words_ptrs, scale_ptrs, 1, STEP_K, WK)
+    for _ in range((STEPS - 2) // 2):
+        acc = _mma_step(w_a, s_a, gl.load(x_ptrs), acc, WK, BLOCK_N, WPT, MP)
+        w_a, s_a = _load_step(words_ptrs, scale_ptrs, 2, STEP_K, WK)
+        acc = _mma_step(w_b, s_b, gl.load(x_ptrs + WK * STEP_K), acc, WK, BLOCK_N, WPT, MP)
+        w_b, s_b = _load_step(words_ptrs, scale_ptrs, 3, STEP_K, WK)
+        words_ptrs += 2 * WK * (STEP_K // 8)
+        scale_ptrs += 2 * WK * 4
+        x_ptrs += 2 * WK * STEP_K
+    LEFT: gl.constexpr = STEPS - 2 * ((STEPS - 2) // 2) if STEPS > 1 else 1  # 1, 2 or 3
+    acc = _mma_step(w_a, s_a, gl.load(x_ptrs), acc, WK, BLOCK_N, WPT, MP)
+    if LEFT == 3:
+        w_a, s_a = _load_step(words_ptrs, scale_ptrs, 2, STEP_K, WK)
+    if LEFT >= 2:
+        acc = _mma_step(w_b, s_b, gl.load(x_ptrs + WK * STEP_K), acc, WK, BLOCK_N, WPT, MP)
+    if LEFT == 3:
+        acc = _mma_step(w_a, s_a, gl.load(x_ptrs + 2 * WK * STEP_K), acc, WK, BLOCK_N, WPT, MP)
+
+    # The K slices of the warps meet here (through shared memory when WK > 1).
+    total = gl.sum(acc, axis=0)
+    out_layout: gl.constexpr = gl.SliceLayout(0, mma)
+    # The decode leaves every product scaled by 2^-8.
+    scale_out = gl.load(tensor_scale_ptr) * 256.0
+    rows_o = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
+    cols_o = gl.arange(0, MP, layout=gl.SliceLayout(0, out_layout))
+    out_ptrs = out_ptr + cols_o[None, :] * stride_om + rows_o[:, None]
+    mask = (cols_o < M)[None, :] & (rows_o < N)[:, None]
+    if SPLIT_K == 1:
+        gl.store(out_ptrs, (total * scale_out).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        acc_ptrs = acc_ptr + cols_o[None, :] * N + rows_o[:, None]
+        if _split_k_arrive(total, acc_ptrs, mask, count_ptr + pid_n, SPLIT_K):
+            total = _split_k_take(acc_ptrs, mask, count_ptr + pid_n)
+            gl.store(out_ptrs, (total * scale_out).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def decode_config(m: int, n: int, k: int, sm_count: int, block_n: int | None = None,
+                  warps_k: int | None = None, split_k: int | None = None,
+                  num_warps: int | None = None, words_per_thread: int | None = None) -> dict:
+    """Rows per program, warps along K, split-K, words per thread and row per K step, and warps of
+    the decode kernel (keyword overrides for the benchmark's sweep). A warp's unit of work is
+    16 * RB rows (RB = BLOCK_N / 16 / (num_warps / WK)) x (K / SPLIT_K / WK).
+
+    Default: 4 warps, one 16-row block per warp, 4 words (16 bytes) per thread and row per K step
+    of 128 (2 and 64 where K is not a multiple of 128). Starting from the 4 warps splitting 64
+    rows, while there are fewer than 6 programs per SM the warps move from rows to K (64 rows x 1
+    K slice -> 32 x 2 -> 16 x 4), then K is split across programs as long as each warp keeps 7
+    K steps. That is the fastest configuration measured at M = 1 for each Llama-3.1-8B shape
+    (H200, bench_nvfp4.py --sweep): 16 rows x 4 slices at 6144 x 4096, 32 x 2 at 28672 x 4096,
+    16 x 4 split 4 at 4096 x 14336. 128-row programs and 8 words per thread were 10-29% slower;
+    a third prefetched step (tried, not kept) ranged from 6% faster to 29% slower."""
+    wpt = words_per_thread or (4 if k % 128 == 0 else 2)
+    step = 32 * wpt
+    num_warps = num_warps or 4
+    target = 6 * sm_count
+    if block_n is None and warps_k is None:
+        block_n, warps_k = 16 * num_warps, 1
+        while (triton.cdiv(n, block_n) < target and warps_k < num_warps
+               and k % (2 * warps_k * step) == 0):
+            block_n, warps_k = block_n // 2, warps_k * 2
+    block_n = block_n or 16 * num_warps // warps_k
+    warps_k = warps_k or 1
+    if split_k is None:
+        split_k = 1
+        while (triton.cdiv(n, block_n) * split_k < target
+               and k % (2 * split_k * warps_k * step) == 0
+               and k // (2 * split_k * warps_k) >= 7 * step):
+            split_k *= 2
+    if k % (split_k * warps_k * step):
+        raise ValueError(f"K={k} is not a multiple of SPLIT_K={split_k} x WK={warps_k} x {step}")
+    if num_warps % warps_k or block_n % (16 * num_warps // warps_k):
+        raise ValueError(f"{num_warps} warps, WK={warps_k}: BLOCK_N={block_n} does not fit")
+    return {"BLOCK_N": block_n, "WK": warps_k, "SPLIT_K": split_k, "WPT": wpt,
+            "num_warps": num_warps}
+
+
+def decode_matmul(x: torch.Tensor, w, out: torch.Tensor,
+                  config: dict | None = None) -> torch.Tensor:
+    """out[M, N] = x[M, K] @ W^T for M <= 16, bf16 x (unit stride along K), W an Nvfp4Tensor."""
+    m, k = x.shape
+    n = w.shape[0]
+    if config is None:
+        config = decode_config(m, n, k, _sm_count(x.device))
+    cfg = dict(config)
+    split = cfg["SPLIT_K"]
+    tiles = triton.cdiv(n, cfg["BLOCK_N"])
+    acc, count = split_k_buffers(x.device, m * n, tiles) if split > 1 else (out, out)
+    nvfp4_decode_kernel[(tiles, split)](
+        x, w.packed.view(torch.int32), w.block_scale.view(torch.uint8), w.tensor_scale, out, acc,
+        count, m, n, x.stride(0), out.stride(0), K=k, MP=8 if m <= 8 else 16, **cfg)
+    return out
+
+
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device) -> int:
+    if device not in _SM_COUNT:
+        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNT[device]
