@@ -338,6 +338,14 @@ def test_gluon_decode_kernel_compiles_for_sm90():
         assert "shared" not in body and "bar.sync" not in body
         shared = ptx.count("ld.shared") + ptx.count("st.shared")
         assert (shared == 0) if wk == 1 else (shared > 0), shared
+    # Small K: one K step per warp, odd step counts (K = 64: 1 step; 256 over 2 warps: 1 each;
+    # 704: 11), as llama-tiny's layers and any K a multiple of 64 give.
+    for k, block_n, wk, wpt in ((64, 64, 1, 2), (256, 32, 2, 4), (704, 64, 1, 2)):
+        constexprs = {"K": k, "BLOCK_N": block_n, "WPT": wpt, "MP": 8, "WK": wk, "SPLIT_K": 1}
+        src = GluonASTSource(nvfp4_decode_kernel, dict(zip(names, types + ["constexpr"] * 6)),
+                             {(names.index(n),): v for n, v in constexprs.items()}, attrs)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+        assert "mma.sync.aligned.m16n8k16" in ptx, k
 
 
 @pytest.mark.interpreter
@@ -464,7 +472,9 @@ def test_gpu_gluon_decode_kernel_configs_and_tails():
     from engine.kernels.nvfp4_decode_gluon import decode_config, decode_matmul
     torch.manual_seed(2)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for n, k in [(int(torch.randint(65, 3000, ())), 4096), (4096, 14336), (300, 576)]:
+    # (384, 256) and (200, 64): one K step per warp (a compiled loop of no iteration).
+    for n, k in [(int(torch.randint(65, 3000, ())), 4096), (4096, 14336), (300, 576), (384, 256),
+                 (200, 64)]:
         w = nv.quantize(torch.randn(n, k, device="cuda") * torch.rand(n, 1, device="cuda"))
         dq = nv.dequantize(w).double()
         configs = [None] + [decode_config(1, n, k, sms, num_warps=nw, block_n=bn, warps_k=wk,

@@ -299,6 +299,8 @@ def nvfp4_decode_kernel(
     w_a, s_a = _load_step(words_ptrs, scale_ptrs, 0, STEP_K, WK)
     if STEPS > 1:
         w_b, s_b = _load_step(words_ptrs, scale_ptrs, 1, STEP_K, WK)
+    else:  # one step per warp (small K): the loop below runs no iteration but is still compiled
+        w_b, s_b = w_a, s_a
     for _ in range((STEPS - 2) // 2):
         acc = _mma_step(w_a, s_a, gl.load(x_ptrs), acc, WK, BLOCK_N, WPT, MP)
         w_a, s_a = _load_step(words_ptrs, scale_ptrs, 2, STEP_K, WK)
