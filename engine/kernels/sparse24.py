@@ -418,7 +418,8 @@ class Sparse24Weight(LinearBackend):
 class Sparse24Fp8Weight(LinearBackend):
     """2:4 weight with e4m3 values and a per-output-channel fp32 scale.
     All M: torchao's CUTLASS sm90 2:4 FP8 GEMM (sparse wgmma) with per-token activation scales (the
-    quantizer is one Triton pass). Where torchao's kernel is missing: the Triton kernels, fp8 values
+    activations arrive quantised by the fused RMSNorm / SwiGLU kernels, see input_quant, or are
+    quantised here in one Triton pass). Where torchao's kernel is missing: the Triton kernels, fp8 values
     widened in registers (activations stay bf16). cuSPARSELt FP8 is not an option here: on torch
     2.11 its per-channel alpha (CUSPARSELT_MATMUL_ALPHA_VECTOR_SCALING) fails, 'operation not supported'."""
     name = "2:4+fp8"

@@ -20,7 +20,7 @@ the same numbers). The default ("precise") mode therefore runs each 256-deep sli
 k-tiles, `promote_every`) into a fresh WGMMA accumulator and adds it into the true fp32 accumulator
 with ordinary FADDs (the promotion that cuBLAS does unless use_fast_accum=True). Each promotion
 waits for its WGMMAs to drain; promoting every second k-tile halves those stalls at no measurable
-cost in accuracy (relative error 1.67e-3 against 1.66e-3 at every k-tile) and ran 5-12% faster on
+cost in accuracy (relative error 1.67e-3 against 1.66e-3 at every k-tile) and ran 3-12% faster on
 an H200; every fourth held 4 of the 6 stages while draining and ran slower (BENCHMARKS.md). Two
 accumulators in registers cap the tile at 128 x 128; fast_accum=True keeps one and allows 128 x 256.
 
