@@ -346,6 +346,13 @@ def test_gluon_decode_kernel_compiles_for_sm90():
                              {(names.index(n),): v for n, v in constexprs.items()}, attrs)
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
         assert "mma.sync.aligned.m16n8k16" in ptx, k
+    # Split-K: the partial sums meet in one launch (atomics, a CTA barrier: thread_barrier in
+    # Triton 3.6, barrier later; both compile).
+    constexprs = {"K": 14336, "BLOCK_N": 16, "WPT": 4, "MP": 8, "WK": 4, "SPLIT_K": 4}
+    src = GluonASTSource(nvfp4_decode_kernel, dict(zip(names, types + ["constexpr"] * 6)),
+                         {(names.index(n),): v for n, v in constexprs.items()}, attrs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    assert "atom." in ptx or "red." in ptx
 
 
 @pytest.mark.interpreter

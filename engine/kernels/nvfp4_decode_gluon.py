@@ -59,6 +59,10 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from engine.kernels.split_k import split_k_buffers
 
+# The CTA-wide barrier is gl.thread_barrier in Triton 3.6 (the GPU machine's) and gl.barrier in later
+# releases (3.9 here): the split-K reduction compiles with either.
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
 
 @gluon.constexpr_function
 def _log2(v: int) -> int:
@@ -224,9 +228,9 @@ def _split_k_arrive(acc, acc_ptrs, mask, counter_ptr, SPLIT_K: gl.constexpr):
     """engine/kernels/split_k.py's split_k_arrive in Gluon: add the partial sums, count the
     arrival; true in the program that arrives last."""
     gl.atomic_add(acc_ptrs, acc, mask=mask, sem="relaxed")
-    gl.thread_barrier()
+    _cta_barrier()
     arrived = gl.atomic_add(counter_ptr, 1, sem="acq_rel")
-    gl.thread_barrier()
+    _cta_barrier()
     return arrived == SPLIT_K - 1
 
 
@@ -234,7 +238,7 @@ def _split_k_arrive(acc, acc_ptrs, mask, counter_ptr, SPLIT_K: gl.constexpr):
 def _split_k_take(acc_ptrs, mask, counter_ptr):
     """split_k_take in Gluon: the summed accumulator; leaves it and the counter zero."""
     total = gl.load(acc_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-    gl.thread_barrier()
+    _cta_barrier()
     gl.store(acc_ptrs, gl.zeros_like(total), mask=mask)
     gl.store(counter_ptr, 0)
     return total
