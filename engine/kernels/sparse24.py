@@ -136,10 +136,20 @@ def _interpreting() -> bool:
 _MMA = [("mma", 16, 128, 256, 1, 4, 3, 8, 16), ("mma", 16, 128, 256, 1, 4, 3, 4, 16),
         ("mma", 16, 128, 128, 8, 4, 4, 8, 16), ("mma", 16, 128, 256, 8, 4, 3, 8, 16),
         ("mma", 16, 64, 256, 4, 4, 3, 4, 16)]
+# "gluon": engine/kernels/sparse24_gluon.py (sm_90, bf16 values, M <= 16), ("gluon", BM, BLOCK_N,
+# WPT, SPLIT_K, num_warps, WK); where it cannot run (another GPU, the interpreter, fp8 values, K not
+# a multiple of SPLIT_K * WK * 16 * WPT, strided operands) the first "mma" entry runs instead and
+# GLUON_SKIPPED records why. The entries are the fastest of an H200 sweep (CUDA graphs, weights
+# rotated beyond L2): gate_up 28672 x 4096 36.3-37.1 us at M = 1 (32 rows x 2 K slices; 3.6 TB/s,
+# 1.18-1.22x the best "mma"), down 4096 x 14336 21.7-22.4 us (16 rows x 4 slices, split 4;
+# 1.05-1.08x); at M = 16 no faster than "mma" (44.0-44.6 vs 44.2-44.6 us gate_up, 28.6 vs 24.0 down).
+_GLUON = [("gluon", 16, 32, 4, 1, 4, 2), ("gluon", 16, 64, 4, 1, 8, 2), ("gluon", 16, 16, 4, 4, 4, 4),
+          ("gluon", 16, 16, 8, 2, 4, 4), ("gluon", 16, 32, 4, 4, 4, 2), ("gluon", 16, 16, 4, 8, 4, 4)]
+_GLUON16 = [("gluon", 16, 32, 4, 1, 4, 2), ("gluon", 16, 32, 4, 4, 4, 2)]
 _DECODE_CONFIGS = {
-    1: _MMA + [("fma", 1, 32, 256, 1, 4, 1), ("fma", 1, 16, 256, 2, 4, 1)],
-    4: _MMA + [("fma", 4, 32, 256, 1, 4, 1)],
-    16: _MMA + [("wtile", 16, 64, 256, 2, 4, 3)],
+    1: _MMA + [("fma", 1, 32, 256, 1, 4, 1), ("fma", 1, 16, 256, 2, 4, 1)] + _GLUON,
+    4: _MMA + [("fma", 4, 32, 256, 1, 4, 1)] + _GLUON,
+    16: _MMA + [("wtile", 16, 64, 256, 2, 4, 3)] + _GLUON16,
     32: [("mma", 32, 128, 256, 1, 4, 3, 8, 16), ("mma", 32, 128, 128, 8, 4, 4, 8, 16),
          ("mma", 32, 64, 256, 4, 4, 3, 4, 16), ("wtile", 32, 64, 256, 1, 4, 3), ("xsplit", 32, 32, 256, 1, 4, 3)],
     64: [("wtile", 64, 128, 128, 1, 8, 3), ("wtile", 64, 64, 128, 1, 4, 3), ("xsplit", 64, 64, 128, 1, 4, 3),
@@ -150,6 +160,7 @@ _DECODE_CONFIGS = {
           ("mma", 128, 128, 128, 1, 8, 3, 8, 16)],
 }
 _TUNED: dict[tuple, tuple] = {}
+GLUON_SKIPPED: dict[tuple, str] = {}  # (config, M, N, K, value dtype) -> why the Gluon kernel did not run
 TUNE_TIMES: dict[tuple, dict] = {}  # every candidate's median ms, for the benchmark's report
 
 
@@ -166,6 +177,15 @@ def _launch(x, values, meta, scale, cfg, out=None):
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if kind == "mma":
         return _launch_mma(x, values, meta, scale, cfg, out)
+    if kind == "gluon":
+        reason = "interpreter" if _interpreting() else None
+        if reason is None:
+            from engine.kernels import sparse24_gluon
+            reason = sparse24_gluon.unsupported(x, values, meta, cfg)
+            if reason is None:
+                return sparse24_gluon.launch(x, values, meta, scale, cfg, out)
+        GLUON_SKIPPED[(cfg, m, n, k, values.dtype)] = reason
+        return _launch_mma(x, values, meta, scale, _MMA[0], out)
     # Split-K partial sums meet in a zeroed fp32 buffer by atomics; one pass writes `out` directly.
     y = torch.zeros(m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
     kernel = {"fma": kernels.sparse24_fma_kernel, "wtile": kernels.sparse24_wtile_kernel,

@@ -1,0 +1,233 @@
+"""2:4-sparse decode GEMM for Hopper (M <= 16 tokens), in Gluon: y = x @ W^T, W 2:4-compressed
+(`values` bf16 [N, K/2], `meta` uint8 [N, K/8], see sparse24.py).
+
+The structure of engine/kernels/nvfp4_decode_gluon.py (mma.sync m16n8k16, every operand in
+registers, explicit layouts checked with `convert_layout(..., assert_trivial=True)`, two K steps
+in flight, warps split rows and K, split-K across programs in one launch), with the 2:4 format's
+A fragment: the K reorder of sparse24_triton (`_x_logical`, CH = WPT) makes the 4 K columns a
+thread holds per row and k16 step one 2:4 group, i.e. one 32-bit word of kept values, and its
+WPT steps' groups consecutive in memory. Per row and K step of 16 * WPT a thread loads WPT words
+(16 bytes at WPT = 4) and WPT nibbles of meta (a u16 at WPT = 4), and builds its two bf16x2 A
+registers per word with two `prmt` (`_DECODE_ASM`, the selector arithmetic of sparse24_triton's
+`_decode_ptx`); the zeros of the expanded fragment cost nothing. x: 16-byte loads in physical K
+order permuted in registers to the logical order. Rows past N re-read row N-1, x rows past M
+re-read row M-1: no masks in the K loop.
+
+Measured (H200, CUDA-graph medians, 3 weight copies rotated, vs the best `sparse24_mma_kernel`
+config of sparse24._DECODE_CONFIGS): gate_up 28672 x 4096 at M = 1 / 4 / 16: 36.3 / 36.8 / 44.0 us
+(3.64 / 3.59 / 3.00 TB/s of compressed weight) against 44.5 / 44.2 / 44.2 us; down 4096 x 14336:
+21.7 / 22.4 / 28.6 us against 23.5 / 23.7 / 24.0 us. Slower at M = 16 for the reason
+nvfp4_decode_gluon gives: each warp loads its own x fragment. WPT = 8 was not faster (40.5 us
+gate_up, 23.1 us down at M = 1).
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from engine.kernels.nvfp4_decode_gluon import (_log2, _split_k_arrive, _split_k_take, mma_layout,
+                                               scales_layout, words_layout)
+
+
+@gluon.constexpr_function
+def x_layout(mp, wpt, wn, wk):
+    """[wk, mp, 16*wpt] bf16 activations of one K step in physical K order: thread (g, q) holds
+    row g (and g + 8), physical K 4*wpt*q .. 4*wpt*q + 4*wpt - 1."""
+    k_regs = [[0, 0, 1 << i] for i in range(2 + _log2(wpt))]
+    m_regs = [[0, 8, 0]] if mp == 16 else []
+    return gl.DistributedLinearLayout(
+        reg_bases=k_regs + m_regs,
+        lane_bases=[[0, 0, 4 * wpt], [0, 0, 8 * wpt], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+        warp_bases=[[0, 0, 0]] * _log2(wn) + [[1 << i, 0, 0] for i in range(_log2(wk))],
+        block_bases=[], shape=[wk, mp, 16 * wpt])
+
+
+def _decode_asm() -> str:
+    """One group (word of two kept bf16, $2..$5) and its meta nibble (in bits 3:0 of $6..$9; higher
+    bits ignored) -> 2 bf16x2 registers: $0 positions 0, 1 and $1 positions 2, 3. prmt selector
+    byte per position: 0x10 first kept value, 0x32 second, 0x54 zero (bytes of the zero operand):
+    S = 0x54545454 - (0x44 << 8 i0) - (0x22 << 8 i1)."""
+    return "\n".join([
+        "{", ".reg .b32 s, t, u, z, c44, c22, c54;", "mov.b32 z, 0;", "mov.b32 c44, 0x44;",
+        "mov.b32 c22, 0x22;", "mov.b32 c54, 0x54545454;",
+        "shl.b32 t, $6, 3;", "and.b32 t, t, 24;", "shl.b32 t, c44, t;",
+        "shl.b32 u, $6, 1;", "and.b32 u, u, 24;", "shl.b32 u, c22, u;",
+        "add.u32 t, t, u;", "sub.u32 s, c54, t;",
+        "prmt.b32 $0, $2, z, s;", "shr.b32 s, s, 16;", "prmt.b32 $1, $2, z, s;", "}"])
+
+
+_DECODE_ASM = gl.constexpr(_decode_asm())
+_DECODE_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 2 + ["r"] * 8))
+
+
+@gluon.jit
+def _dup4(v):
+    v = gl.join(v, v)
+    return gl.join(v, v)
+
+
+@gluon.jit
+def _load_step(words_ptrs, meta_ptrs, j: gl.constexpr, STEP_K: gl.constexpr, WK: gl.constexpr):
+    words = gl.load(words_ptrs + j * WK * (STEP_K // 4))
+    meta = gl.load(meta_ptrs + j * WK * 4)
+    return words, meta
+
+
+@gluon.jit
+def _mma_step(words, meta, shift, x, acc, WK: gl.constexpr, BLOCK_N: gl.constexpr,
+              WPT: gl.constexpr, MP: gl.constexpr):
+    """acc += decode(words, meta) @ x^T for one K step of 16 * WPT, all in registers."""
+    STEP_K: gl.constexpr = 16 * WPT
+    mma: gl.constexpr = acc.type.layout
+    # meta [WK, BLOCK_N, 4] (thread q's WPT nibbles) -> per word j = WPT*q + c, nibble c at bit 0
+    m = meta.to(gl.int32)
+    if WPT == 8:
+        m = gl.join(gl.join(m, m), gl.join(m, m))
+        m = gl.join(m, m)
+    elif WPT == 4:
+        m = gl.join(gl.join(m, m), gl.join(m, m))
+    elif WPT == 2:
+        m = gl.join(m, m)
+    m = gl.convert_layout(m.reshape(WK, BLOCK_N, 4 * WPT), words.type.layout, assert_trivial=True)
+    m = m >> shift
+    w = gl.inline_asm_elementwise(_DECODE_ASM, _DECODE_CONSTRAINTS, [_dup4(words), _dup4(m)],
+                                  dtype=gl.bfloat16, is_pure=True, pack=4)
+    # [.., rows, word j = (q, c), h, p] -> logical K = 16c + 8h + 2q + p
+    w = w.reshape(WK, BLOCK_N, 4, WPT, 2, 2).permute(0, 1, 3, 4, 2, 5)
+    a = gl.convert_layout(w.reshape(WK, BLOCK_N, STEP_K), gl.DotOperandLayout(0, mma, 2),
+                          assert_trivial=True)
+    # x: physical K = 4*WPT*q + 4c + 2h + p -> the same logical order
+    xt = x.reshape(WK, MP, 4, WPT, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(WK, MP, STEP_K)
+    b = gl.convert_layout(xt.permute(0, 2, 1), gl.DotOperandLayout(1, mma, 2), assert_trivial=True)
+    return mma_v2(a, b, acc)
+
+
+@gluon.jit(do_not_specialize=["M"])
+def sparse24_decode_kernel(
+    x_ptr, words_ptr, meta_ptr, scale_ptr, out_ptr, acc_ptr, count_ptr,
+    M, N, stride_xm, stride_om, K: gl.constexpr,
+    BLOCK_N: gl.constexpr, WPT: gl.constexpr, MP: gl.constexpr, WK: gl.constexpr,
+    SPLIT_K: gl.constexpr, HAS_SCALE: gl.constexpr,
+):
+    """y[M, N] = x @ W^T (times scale[N]) for M <= MP (8 or 16). words_ptr: the kept values as
+    int32 [N, K/4] (one word per group), meta_ptr: [N, K/8] bytes, read WPT/2 at a time (u8, u16,
+    u32);
+    K a multiple of SPLIT_K * WK * 16 * WPT. SPLIT_K > 1: as nvfp4_decode_kernel."""
+    WN: gl.constexpr = gl.num_warps() // WK
+    STEP_K: gl.constexpr = 16 * WPT
+    K_CTA: gl.constexpr = K // SPLIT_K
+    STEPS: gl.constexpr = K_CTA // (WK * STEP_K)  # per warp
+    META_K: gl.constexpr = 4 * WPT  # K per meta element (a thread's nibbles of one step)
+    mma: gl.constexpr = mma_layout(WN, WK)
+    w_layout: gl.constexpr = words_layout(BLOCK_N, WPT, WN, WK)
+    s_layout: gl.constexpr = scales_layout(BLOCK_N, WN, WK)
+    xl: gl.constexpr = x_layout(MP, WPT, WN, WK)
+
+    pid_n = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    k0 = pid_k * K_CTA
+
+    w_ks = gl.arange(0, WK, layout=gl.SliceLayout(1, gl.SliceLayout(2, w_layout)))
+    w_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, w_layout)))
+    w_cols = gl.arange(0, 4 * WPT, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_layout)))
+    offs_w = (w_ks[:, None, None] * (STEP_K // 4)
+              + gl.minimum(n0 + w_rows, N - 1)[None, :, None] * (K // 4) + w_cols[None, None, :])
+    shift = ((w_cols % WPT) * 4)[None, None, :]
+    s_ks = gl.arange(0, WK, layout=gl.SliceLayout(1, gl.SliceLayout(2, s_layout)))
+    s_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, s_layout)))
+    s_cols = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, s_layout)))
+    offs_s = (s_ks[:, None, None] * 4 + gl.minimum(n0 + s_rows, N - 1)[None, :, None] * (K // META_K)
+              + s_cols[None, None, :])
+    x_ks = gl.arange(0, WK, layout=gl.SliceLayout(1, gl.SliceLayout(2, xl)))
+    x_rows = gl.arange(0, MP, layout=gl.SliceLayout(0, gl.SliceLayout(2, xl)))
+    x_cols = gl.arange(0, STEP_K, layout=gl.SliceLayout(0, gl.SliceLayout(1, xl)))
+    offs_x = (x_ks[:, None, None] * STEP_K + gl.minimum(x_rows, M - 1)[None, :, None] * stride_xm
+              + x_cols[None, None, :])
+    words_ptrs = words_ptr + k0 // 4 + offs_w
+    if WPT == 8:
+        meta_ptrs = meta_ptr.to(gl.pointer_type(gl.uint32), bitcast=True) + k0 // META_K + offs_s
+    elif WPT == 4:
+        meta_ptrs = meta_ptr.to(gl.pointer_type(gl.uint16), bitcast=True) + k0 // META_K + offs_s
+    else:
+        meta_ptrs = meta_ptr + k0 // META_K + offs_s
+    x_ptrs = x_ptr + k0 + offs_x
+
+    acc = gl.zeros([WK, BLOCK_N, MP], gl.float32, layout=mma)
+    w_a, m_a = _load_step(words_ptrs, meta_ptrs, 0, STEP_K, WK)
+    if STEPS > 1:
+        w_b, m_b = _load_step(words_ptrs, meta_ptrs, 1, STEP_K, WK)
+    else:
+        w_b, m_b = w_a, m_a
+    for _ in range((STEPS - 2) // 2):
+        acc = _mma_step(w_a, m_a, shift, gl.load(x_ptrs), acc, WK, BLOCK_N, WPT, MP)
+        w_a, m_a = _load_step(words_ptrs, meta_ptrs, 2, STEP_K, WK)
+        acc = _mma_step(w_b, m_b, shift, gl.load(x_ptrs + WK * STEP_K), acc, WK, BLOCK_N, WPT, MP)
+        w_b, m_b = _load_step(words_ptrs, meta_ptrs, 3, STEP_K, WK)
+        words_ptrs += 2 * WK * (STEP_K // 4)
+        meta_ptrs += 2 * WK * 4
+        x_ptrs += 2 * WK * STEP_K
+    LEFT: gl.constexpr = STEPS - 2 * ((STEPS - 2) // 2) if STEPS > 1 else 1
+    acc = _mma_step(w_a, m_a, shift, gl.load(x_ptrs), acc, WK, BLOCK_N, WPT, MP)
+    if LEFT == 3:
+        w_a, m_a = _load_step(words_ptrs, meta_ptrs, 2, STEP_K, WK)
+    if LEFT >= 2:
+        acc = _mma_step(w_b, m_b, shift, gl.load(x_ptrs + WK * STEP_K), acc, WK, BLOCK_N, WPT, MP)
+    if LEFT == 3:
+        acc = _mma_step(w_a, m_a, shift, gl.load(x_ptrs + 2 * WK * STEP_K), acc, WK, BLOCK_N, WPT, MP)
+
+    total = gl.sum(acc, axis=0)
+    out_layout: gl.constexpr = gl.SliceLayout(0, mma)
+    rows_o = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
+    cols_o = gl.arange(0, MP, layout=gl.SliceLayout(0, out_layout))
+    out_ptrs = out_ptr + cols_o[None, :] * stride_om + rows_o[:, None]
+    mask = (cols_o < M)[None, :] & (rows_o < N)[:, None]
+    if SPLIT_K == 1:
+        if HAS_SCALE:
+            total = total * gl.load(scale_ptr + rows_o, mask=rows_o < N, other=0.0)[:, None]
+        gl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        acc_ptrs = acc_ptr + cols_o[None, :] * N + rows_o[:, None]
+        if _split_k_arrive(total, acc_ptrs, mask, count_ptr + pid_n, SPLIT_K):
+            total = _split_k_take(acc_ptrs, mask, count_ptr + pid_n)
+            if HAS_SCALE:
+                total = total * gl.load(scale_ptr + rows_o, mask=rows_o < N, other=0.0)[:, None]
+            gl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def unsupported(x, values, meta, cfg) -> str | None:
+    """Why the Gluon kernel cannot run this call with config ("gluon", BM, BLOCK_N, WPT, SPLIT_K,
+    num_warps, WK), or None."""
+    import torch
+    _, _, bn, wpt, split_k, warps, wk = cfg
+    m, k = x.shape
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] != 9:
+        return "not sm_90"
+    if values.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
+        return "bf16 values and activations only"
+    if m > 16:
+        return "M > 16"
+    if k % (split_k * wk * 16 * wpt):
+        return f"K={k} not a multiple of {split_k * wk * 16 * wpt}"
+    if values.stride(0) != k // 2 or meta.stride(0) != k // 8 or values.stride(1) != 1 or meta.stride(1) != 1:
+        return "strided values/meta"
+    if warps % wk or bn % (16 * (warps // wk)):
+        return "tile does not fit the warps"
+    return None
+
+
+def launch(x, values, meta, scale, cfg, out):
+    import torch
+    from engine.kernels.split_k import split_k_buffers
+    _, _, bn, wpt, split_k, warps, wk = cfg
+    m, k = x.shape
+    n = values.shape[0]
+    tiles = -(-n // bn)
+    acc, count = split_k_buffers(x.device, m * n, tiles) if split_k > 1 else (out, out)
+    words = values.view(torch.int32)
+    sparse24_decode_kernel[(tiles, split_k)](
+        x, words, meta, scale if scale is not None else words, out, acc, count, m, n,
+        x.stride(0), out.stride(0), K=k, BLOCK_N=bn, WPT=wpt, MP=8 if m <= 8 else 16, WK=wk,
+        SPLIT_K=split_k, HAS_SCALE=scale is not None, num_warps=warps)
+    return out
