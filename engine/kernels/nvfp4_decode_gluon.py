@@ -24,7 +24,8 @@ Design (Marlin-style, every operand in registers; explicit layouts, checked at c
   row M-1 and rows past N re-read row N-1, so the K loop has no masks.
 - Two K steps in flight per warp: the loop body computes steps i, i+1 and refills their registers
   with steps i+2, i+3 (plain loads; the pointers advance once per body and each step is a
-  constant offset folded into the load).
+  constant offset folded into the load). `stream_pointers` and `stream_steps` (the loop, with the
+  per-step decode passed in) also run the 2:4 kernel of engine/kernels/sparse24_gluon.py.
 - Work split: a program is `num_warps` warps over BLOCK_N rows; WK of them split K (warp w takes
   K steps w, w + WK, ..: neighbouring chunks of the same rows) and the other num_warps / WK split
   the rows; the WK partial sums meet once, after the loop, through shared memory (`gl.sum` over
@@ -110,17 +111,17 @@ def scales_layout(block_n, wn, wk):
 
 
 @gluon.constexpr_function
-def x_layout(mp, wpt, wn, wk):
-    """[wk, mp, 32*wpt] bf16 activations of one K step in physical K order: thread (g, q) holds
-    row g (and g + 8), physical K 8*wpt*q .. 8*wpt*q + 8*wpt - 1 (16-byte loads); the row warps
-    all load the same."""
-    k_regs = [[0, 0, 1 << i] for i in range(3 + _log2(wpt))]
+def x_layout(mp, step_k, wn, wk):
+    """[wk, mp, step_k] bf16 activations of one K step in physical K order: thread (g, q) holds
+    row g (and g + 8), physical K step_k/4 * q .. step_k/4 * (q + 1) - 1 (16-byte loads or wider);
+    the row warps all load the same."""
+    k_regs = [[0, 0, 1 << i] for i in range(_log2(step_k // 4))]
     m_regs = [[0, 8, 0]] if mp == 16 else []
     return gl.DistributedLinearLayout(
         reg_bases=k_regs + m_regs,
-        lane_bases=[[0, 0, 8 * wpt], [0, 0, 16 * wpt], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+        lane_bases=[[0, 0, step_k // 4], [0, 0, step_k // 2], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
         warp_bases=[[0, 0, 0]] * _log2(wn) + [[1 << i, 0, 0] for i in range(_log2(wk))],
-        block_bases=[], shape=[wk, mp, 32 * wpt])
+        block_bases=[], shape=[wk, mp, step_k])
 
 
 def _decode_asm() -> str:
@@ -174,13 +175,14 @@ def _dup8(v):
 
 
 @gluon.jit
-def _load_step(words_ptrs, scale_ptrs, j: gl.constexpr, STEP_K: gl.constexpr, WK: gl.constexpr):
-    """Packed words and block scales of the j-th K step after the pointers' (the warps' K slices
-    interleave step by step, WK * STEP_K apart): a compile-time offset, folded into the load's
-    address. Rows past N were clamped, so nothing is masked."""
-    words = gl.load(words_ptrs + j * WK * (STEP_K // 8))
-    scales = gl.load(scale_ptrs + j * WK * 4)
-    return words, scales
+def _load_step(words_ptrs, side_ptrs, j: gl.constexpr, WPT: gl.constexpr, WK: gl.constexpr):
+    """Packed words (4 * WPT per row and step) and their side data (block scales, or 2:4 meta: one
+    element per thread) of the j-th K step after the pointers' (the warps' K slices interleave step
+    by step): a compile-time offset, folded into the load's address. Rows past N were clamped, so
+    nothing is masked."""
+    words = gl.load(words_ptrs + j * WK * (4 * WPT))
+    side = gl.load(side_ptrs + j * WK * 4)
+    return words, side
 
 
 @gluon.jit
@@ -205,9 +207,10 @@ def _word_scales(scales, words, WK: gl.constexpr, BLOCK_N: gl.constexpr, WPT: gl
 
 
 @gluon.jit
-def _mma_step(words, scales, x, acc, WK: gl.constexpr, BLOCK_N: gl.constexpr, WPT: gl.constexpr,
+def _mma_step(words, scales, aux, x, acc, WK: gl.constexpr, BLOCK_N: gl.constexpr, WPT: gl.constexpr,
               MP: gl.constexpr):
-    """acc += decode(words, scales) @ x^T for one K step, all in registers."""
+    """acc += decode(words, scales) @ x^T for one K step, all in registers (aux: unused here; the
+    2:4 kernel's step takes its meta shifts there)."""
     STEP_K: gl.constexpr = 32 * WPT
     mma: gl.constexpr = acc.type.layout
     s = _word_scales(scales, words, WK, BLOCK_N, WPT)
@@ -221,6 +224,78 @@ def _mma_step(words, scales, x, acc, WK: gl.constexpr, BLOCK_N: gl.constexpr, WP
     xt = x.reshape(WK, MP, 4, WPT, 2, 2, 2).permute(0, 1, 3, 5, 6, 2, 4).reshape(WK, MP, STEP_K)
     b = gl.convert_layout(xt.permute(0, 2, 1), gl.DotOperandLayout(1, mma, 2), assert_trivial=True)
     return mma_v2(a, b, acc)
+
+
+@gluon.jit
+def stream_pointers(words_ptr, side_ptr, x_ptr, n0, k0, M, N, stride_xm, K: gl.constexpr,
+                    BLOCK_N: gl.constexpr, WPT: gl.constexpr, MP: gl.constexpr, WN: gl.constexpr,
+                    WK: gl.constexpr, STEP_K: gl.constexpr):
+    """Pointers to a program's first K step: packed words [WK, BLOCK_N, 4 * WPT] (int32, 4 * WPT
+    per row and step), side data [WK, BLOCK_N, 4] (one element per thread: its WPT words' block
+    scales or meta, read as u8 / u16 / u32) and x [WK, MP, STEP_K]. Warp slice w of the WK takes
+    steps w, w + WK, ... (the CTA's warps read neighbouring chunks of the same rows together). Rows
+    past N (tail tile) re-read row N-1 and are never stored, x rows past M re-read row M-1: no
+    masks in the loop."""
+    w_layout: gl.constexpr = words_layout(BLOCK_N, WPT, WN, WK)
+    s_layout: gl.constexpr = scales_layout(BLOCK_N, WN, WK)
+    xl: gl.constexpr = x_layout(MP, STEP_K, WN, WK)
+    K_PER_WORD: gl.constexpr = STEP_K // (4 * WPT)  # 8 for e2m1 words, 4 for 2:4 groups
+    SIDE_K: gl.constexpr = STEP_K // 4  # K per side element
+    w_ks = gl.arange(0, WK, layout=gl.SliceLayout(1, gl.SliceLayout(2, w_layout)))
+    w_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, w_layout)))
+    w_cols = gl.arange(0, 4 * WPT, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_layout)))
+    offs_w = (w_ks[:, None, None] * (STEP_K // K_PER_WORD)
+              + gl.minimum(n0 + w_rows, N - 1)[None, :, None] * (K // K_PER_WORD) + w_cols[None, None, :])
+    s_ks = gl.arange(0, WK, layout=gl.SliceLayout(1, gl.SliceLayout(2, s_layout)))
+    s_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, s_layout)))
+    s_cols = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, s_layout)))
+    offs_s = (s_ks[:, None, None] * 4 + gl.minimum(n0 + s_rows, N - 1)[None, :, None] * (K // SIDE_K)
+              + s_cols[None, None, :])
+    x_ks = gl.arange(0, WK, layout=gl.SliceLayout(1, gl.SliceLayout(2, xl)))
+    x_rows = gl.arange(0, MP, layout=gl.SliceLayout(0, gl.SliceLayout(2, xl)))
+    x_cols = gl.arange(0, STEP_K, layout=gl.SliceLayout(0, gl.SliceLayout(1, xl)))
+    offs_x = (x_ks[:, None, None] * STEP_K + gl.minimum(x_rows, M - 1)[None, :, None] * stride_xm
+              + x_cols[None, None, :])
+    words_ptrs = words_ptr + k0 // K_PER_WORD + offs_w
+    if WPT == 8:
+        side_ptrs = side_ptr.to(gl.pointer_type(gl.uint32), bitcast=True) + k0 // SIDE_K + offs_s
+    elif WPT == 4:
+        side_ptrs = side_ptr.to(gl.pointer_type(gl.uint16), bitcast=True) + k0 // SIDE_K + offs_s
+    else:
+        side_ptrs = side_ptr + k0 // SIDE_K + offs_s
+    x_ptrs = x_ptr + k0 + offs_x
+    return words_ptrs, side_ptrs, x_ptrs
+
+
+@gluon.jit
+def stream_steps(MMA_STEP: gl.constexpr, words_ptrs, side_ptrs, x_ptrs, aux, acc,
+                 STEPS: gl.constexpr, STEP_K: gl.constexpr, WK: gl.constexpr, BLOCK_N: gl.constexpr,
+                 WPT: gl.constexpr, MP: gl.constexpr):
+    """acc += every K step of the warp's slice, MMA_STEP(words, side, aux, x, acc, ..) decoding
+    one step. Two steps in flight: the loop body consumes steps i, i+1 and refills them with i+2,
+    i+3; the pointers advance once per body, the steps are constant offsets from them."""
+    w_a, s_a = _load_step(words_ptrs, side_ptrs, 0, WPT, WK)
+    if STEPS > 1:
+        w_b, s_b = _load_step(words_ptrs, side_ptrs, 1, WPT, WK)
+    else:  # one step per warp (small K): the loop below runs no iteration but is still compiled
+        w_b, s_b = w_a, s_a
+    for _ in range((STEPS - 2) // 2):
+        acc = MMA_STEP(w_a, s_a, aux, gl.load(x_ptrs), acc, WK, BLOCK_N, WPT, MP)
+        w_a, s_a = _load_step(words_ptrs, side_ptrs, 2, WPT, WK)
+        acc = MMA_STEP(w_b, s_b, aux, gl.load(x_ptrs + WK * STEP_K), acc, WK, BLOCK_N, WPT, MP)
+        w_b, s_b = _load_step(words_ptrs, side_ptrs, 3, WPT, WK)
+        words_ptrs += 2 * WK * (4 * WPT)
+        side_ptrs += 2 * WK * 4
+        x_ptrs += 2 * WK * STEP_K
+    LEFT: gl.constexpr = STEPS - 2 * ((STEPS - 2) // 2) if STEPS > 1 else 1  # 1, 2 or 3
+    acc = MMA_STEP(w_a, s_a, aux, gl.load(x_ptrs), acc, WK, BLOCK_N, WPT, MP)
+    if LEFT == 3:
+        w_a, s_a = _load_step(words_ptrs, side_ptrs, 2, WPT, WK)
+    if LEFT >= 2:
+        acc = MMA_STEP(w_b, s_b, aux, gl.load(x_ptrs + WK * STEP_K), acc, WK, BLOCK_N, WPT, MP)
+    if LEFT == 3:
+        acc = MMA_STEP(w_a, s_a, aux, gl.load(x_ptrs + 2 * WK * STEP_K), acc, WK, BLOCK_N, WPT, MP)
+    return acc
 
 
 @gluon.jit
@@ -259,68 +334,17 @@ def nvfp4_decode_kernel(
     STEP_K: gl.constexpr = 32 * WPT
     K_CTA: gl.constexpr = K // SPLIT_K
     STEPS: gl.constexpr = K_CTA // (WK * STEP_K)  # per warp
-    SCALE_K: gl.constexpr = 8 * WPT  # K per scale element (u8, u16 or u32: a thread's scales)
     mma: gl.constexpr = mma_layout(WN, WK)
-    w_layout: gl.constexpr = words_layout(BLOCK_N, WPT, WN, WK)
-    s_layout: gl.constexpr = scales_layout(BLOCK_N, WN, WK)
-    xl: gl.constexpr = x_layout(MP, WPT, WN, WK)
 
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
     n0 = pid_n * BLOCK_N
     k0 = pid_k * K_CTA
-
-    # Offsets of [warp's K slice, row, column]; warp slice w takes steps w, w + WK, ... (the
-    # CTA's warps read neighbouring chunks of the same rows together). Rows past N (tail tile)
-    # re-read row N-1 and are never stored, x rows past M re-read row M-1: no masks in the loop.
-    w_ks = gl.arange(0, WK, layout=gl.SliceLayout(1, gl.SliceLayout(2, w_layout)))
-    w_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, w_layout)))
-    w_cols = gl.arange(0, 4 * WPT, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_layout)))
-    offs_w = (w_ks[:, None, None] * (STEP_K // 8)
-              + gl.minimum(n0 + w_rows, N - 1)[None, :, None] * (K // 8) + w_cols[None, None, :])
-    s_ks = gl.arange(0, WK, layout=gl.SliceLayout(1, gl.SliceLayout(2, s_layout)))
-    s_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, s_layout)))
-    s_cols = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, s_layout)))
-    offs_s = (s_ks[:, None, None] * 4 + gl.minimum(n0 + s_rows, N - 1)[None, :, None] * (K // SCALE_K)
-              + s_cols[None, None, :])
-    x_ks = gl.arange(0, WK, layout=gl.SliceLayout(1, gl.SliceLayout(2, xl)))
-    x_rows = gl.arange(0, MP, layout=gl.SliceLayout(0, gl.SliceLayout(2, xl)))
-    x_cols = gl.arange(0, STEP_K, layout=gl.SliceLayout(0, gl.SliceLayout(1, xl)))
-    offs_x = (x_ks[:, None, None] * STEP_K + gl.minimum(x_rows, M - 1)[None, :, None] * stride_xm
-              + x_cols[None, None, :])
-    words_ptrs = words_ptr + k0 // 8 + offs_w
-    if WPT == 8:
-        scale_ptrs = scale_ptr.to(gl.pointer_type(gl.uint32), bitcast=True) + k0 // SCALE_K + offs_s
-    elif WPT == 4:
-        scale_ptrs = scale_ptr.to(gl.pointer_type(gl.uint16), bitcast=True) + k0 // SCALE_K + offs_s
-    else:
-        scale_ptrs = scale_ptr + k0 // SCALE_K + offs_s
-    x_ptrs = x_ptr + k0 + offs_x
-
+    words_ptrs, scale_ptrs, x_ptrs = stream_pointers(
+        words_ptr, scale_ptr, x_ptr, n0, k0, M, N, stride_xm, K, BLOCK_N, WPT, MP, WN, WK, STEP_K)
     acc = gl.zeros([WK, BLOCK_N, MP], gl.float32, layout=mma)
-    # Two steps in flight: the loop body consumes steps i, i+1 and refills them with i+2, i+3;
-    # the pointers advance once per body, the steps are constant offsets from them.
-    w_a, s_a = _load_step(words_ptrs, scale_ptrs, 0, STEP_K, WK)
-    if STEPS > 1:
-        w_b, s_b = _load_step(words_ptrs, scale_ptrs, 1, STEP_K, WK)
-    else:  # one step per warp (small K): the loop below runs no iteration but is still compiled
-        w_b, s_b = w_a, s_a
-    for _ in range((STEPS - 2) // 2):
-        acc = _mma_step(w_a, s_a, gl.load(x_ptrs), acc, WK, BLOCK_N, WPT, MP)
-        w_a, s_a = _load_step(words_ptrs, scale_ptrs, 2, STEP_K, WK)
-        acc = _mma_step(w_b, s_b, gl.load(x_ptrs + WK * STEP_K), acc, WK, BLOCK_N, WPT, MP)
-        w_b, s_b = _load_step(words_ptrs, scale_ptrs, 3, STEP_K, WK)
-        words_ptrs += 2 * WK * (STEP_K // 8)
-        scale_ptrs += 2 * WK * 4
-        x_ptrs += 2 * WK * STEP_K
-    LEFT: gl.constexpr = STEPS - 2 * ((STEPS - 2) // 2) if STEPS > 1 else 1  # 1, 2 or 3
-    acc = _mma_step(w_a, s_a, gl.load(x_ptrs), acc, WK, BLOCK_N, WPT, MP)
-    if LEFT == 3:
-        w_a, s_a = _load_step(words_ptrs, scale_ptrs, 2, STEP_K, WK)
-    if LEFT >= 2:
-        acc = _mma_step(w_b, s_b, gl.load(x_ptrs + WK * STEP_K), acc, WK, BLOCK_N, WPT, MP)
-    if LEFT == 3:
-        acc = _mma_step(w_a, s_a, gl.load(x_ptrs + 2 * WK * STEP_K), acc, WK, BLOCK_N, WPT, MP)
+    acc = stream_steps(_mma_step, words_ptrs, scale_ptrs, x_ptrs, 0, acc, STEPS, STEP_K, WK, BLOCK_N,
+                       WPT, MP)
 
     # The K slices of the warps meet here (through shared memory when WK > 1).
     total = gl.sum(acc, axis=0)

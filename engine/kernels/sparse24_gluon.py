@@ -1,9 +1,10 @@
 """2:4-sparse decode GEMM for Hopper (M <= 16 tokens), in Gluon: y = x @ W^T, W 2:4-compressed
 (`values` bf16 [N, K/2], `meta` uint8 [N, K/8], see sparse24.py).
 
-The structure of engine/kernels/nvfp4_decode_gluon.py (mma.sync m16n8k16, every operand in
-registers, explicit layouts checked with `convert_layout(..., assert_trivial=True)`, two K steps
-in flight, warps split rows and K, split-K across programs in one launch), with the 2:4 format's
+The structure of engine/kernels/nvfp4_decode_gluon.py, whose `stream_pointers` and `stream_steps`
+run this kernel's K loop (mma.sync m16n8k16, every operand in registers, explicit layouts checked
+with `convert_layout(..., assert_trivial=True)`, two K steps in flight, warps split rows and K,
+split-K across programs in one launch), with the 2:4 format's
 A fragment: the K reorder of sparse24_triton (`_x_logical`, CH = WPT) makes the 4 K columns a
 thread holds per row and k16 step one 2:4 group, i.e. one 32-bit word of kept values, and its
 WPT steps' groups consecutive in memory. Per row and K step of 16 * WPT a thread loads WPT words
@@ -26,21 +27,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from engine.kernels.nvfp4_decode_gluon import (_log2, _split_k_arrive, _split_k_take, mma_layout,
-                                               scales_layout, words_layout)
-
-
-@gluon.constexpr_function
-def x_layout(mp, wpt, wn, wk):
-    """[wk, mp, 16*wpt] bf16 activations of one K step in physical K order: thread (g, q) holds
-    row g (and g + 8), physical K 4*wpt*q .. 4*wpt*q + 4*wpt - 1."""
-    k_regs = [[0, 0, 1 << i] for i in range(2 + _log2(wpt))]
-    m_regs = [[0, 8, 0]] if mp == 16 else []
-    return gl.DistributedLinearLayout(
-        reg_bases=k_regs + m_regs,
-        lane_bases=[[0, 0, 4 * wpt], [0, 0, 8 * wpt], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-        warp_bases=[[0, 0, 0]] * _log2(wn) + [[1 << i, 0, 0] for i in range(_log2(wk))],
-        block_bases=[], shape=[wk, mp, 16 * wpt])
+from engine.kernels.nvfp4_decode_gluon import (_split_k_arrive, _split_k_take, mma_layout,
+                                               stream_pointers, stream_steps, words_layout)
 
 
 def _decode_asm() -> str:
@@ -65,13 +53,6 @@ _DECODE_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 2 + ["r"] * 8))
 def _dup4(v):
     v = gl.join(v, v)
     return gl.join(v, v)
-
-
-@gluon.jit
-def _load_step(words_ptrs, meta_ptrs, j: gl.constexpr, STEP_K: gl.constexpr, WK: gl.constexpr):
-    words = gl.load(words_ptrs + j * WK * (STEP_K // 4))
-    meta = gl.load(meta_ptrs + j * WK * 4)
-    return words, meta
 
 
 @gluon.jit
@@ -118,64 +99,21 @@ def sparse24_decode_kernel(
     STEP_K: gl.constexpr = 16 * WPT
     K_CTA: gl.constexpr = K // SPLIT_K
     STEPS: gl.constexpr = K_CTA // (WK * STEP_K)  # per warp
-    META_K: gl.constexpr = 4 * WPT  # K per meta element (a thread's nibbles of one step)
     mma: gl.constexpr = mma_layout(WN, WK)
-    w_layout: gl.constexpr = words_layout(BLOCK_N, WPT, WN, WK)
-    s_layout: gl.constexpr = scales_layout(BLOCK_N, WN, WK)
-    xl: gl.constexpr = x_layout(MP, WPT, WN, WK)
 
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
     n0 = pid_n * BLOCK_N
     k0 = pid_k * K_CTA
-
-    w_ks = gl.arange(0, WK, layout=gl.SliceLayout(1, gl.SliceLayout(2, w_layout)))
-    w_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, w_layout)))
+    words_ptrs, meta_ptrs, x_ptrs = stream_pointers(
+        words_ptr, meta_ptr, x_ptr, n0, k0, M, N, stride_xm, K, BLOCK_N, WPT, MP, WN, WK, STEP_K)
+    # Word j = WPT*q + c of a thread takes nibble c of its meta element.
+    w_layout: gl.constexpr = words_layout(BLOCK_N, WPT, WN, WK)
     w_cols = gl.arange(0, 4 * WPT, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_layout)))
-    offs_w = (w_ks[:, None, None] * (STEP_K // 4)
-              + gl.minimum(n0 + w_rows, N - 1)[None, :, None] * (K // 4) + w_cols[None, None, :])
     shift = ((w_cols % WPT) * 4)[None, None, :]
-    s_ks = gl.arange(0, WK, layout=gl.SliceLayout(1, gl.SliceLayout(2, s_layout)))
-    s_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, s_layout)))
-    s_cols = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, s_layout)))
-    offs_s = (s_ks[:, None, None] * 4 + gl.minimum(n0 + s_rows, N - 1)[None, :, None] * (K // META_K)
-              + s_cols[None, None, :])
-    x_ks = gl.arange(0, WK, layout=gl.SliceLayout(1, gl.SliceLayout(2, xl)))
-    x_rows = gl.arange(0, MP, layout=gl.SliceLayout(0, gl.SliceLayout(2, xl)))
-    x_cols = gl.arange(0, STEP_K, layout=gl.SliceLayout(0, gl.SliceLayout(1, xl)))
-    offs_x = (x_ks[:, None, None] * STEP_K + gl.minimum(x_rows, M - 1)[None, :, None] * stride_xm
-              + x_cols[None, None, :])
-    words_ptrs = words_ptr + k0 // 4 + offs_w
-    if WPT == 8:
-        meta_ptrs = meta_ptr.to(gl.pointer_type(gl.uint32), bitcast=True) + k0 // META_K + offs_s
-    elif WPT == 4:
-        meta_ptrs = meta_ptr.to(gl.pointer_type(gl.uint16), bitcast=True) + k0 // META_K + offs_s
-    else:
-        meta_ptrs = meta_ptr + k0 // META_K + offs_s
-    x_ptrs = x_ptr + k0 + offs_x
-
     acc = gl.zeros([WK, BLOCK_N, MP], gl.float32, layout=mma)
-    w_a, m_a = _load_step(words_ptrs, meta_ptrs, 0, STEP_K, WK)
-    if STEPS > 1:
-        w_b, m_b = _load_step(words_ptrs, meta_ptrs, 1, STEP_K, WK)
-    else:
-        w_b, m_b = w_a, m_a
-    for _ in range((STEPS - 2) // 2):
-        acc = _mma_step(w_a, m_a, shift, gl.load(x_ptrs), acc, WK, BLOCK_N, WPT, MP)
-        w_a, m_a = _load_step(words_ptrs, meta_ptrs, 2, STEP_K, WK)
-        acc = _mma_step(w_b, m_b, shift, gl.load(x_ptrs + WK * STEP_K), acc, WK, BLOCK_N, WPT, MP)
-        w_b, m_b = _load_step(words_ptrs, meta_ptrs, 3, STEP_K, WK)
-        words_ptrs += 2 * WK * (STEP_K // 4)
-        meta_ptrs += 2 * WK * 4
-        x_ptrs += 2 * WK * STEP_K
-    LEFT: gl.constexpr = STEPS - 2 * ((STEPS - 2) // 2) if STEPS > 1 else 1
-    acc = _mma_step(w_a, m_a, shift, gl.load(x_ptrs), acc, WK, BLOCK_N, WPT, MP)
-    if LEFT == 3:
-        w_a, m_a = _load_step(words_ptrs, meta_ptrs, 2, STEP_K, WK)
-    if LEFT >= 2:
-        acc = _mma_step(w_b, m_b, shift, gl.load(x_ptrs + WK * STEP_K), acc, WK, BLOCK_N, WPT, MP)
-    if LEFT == 3:
-        acc = _mma_step(w_a, m_a, shift, gl.load(x_ptrs + 2 * WK * STEP_K), acc, WK, BLOCK_N, WPT, MP)
+    acc = stream_steps(_mma_step, words_ptrs, meta_ptrs, x_ptrs, shift, acc, STEPS, STEP_K, WK, BLOCK_N,
+                       WPT, MP)
 
     total = gl.sum(acc, axis=0)
     out_layout: gl.constexpr = gl.SliceLayout(0, mma)
