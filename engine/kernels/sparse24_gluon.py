@@ -23,12 +23,14 @@ gate_up, 23.1 us down at M = 1).
 """
 from __future__ import annotations
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from engine.kernels.nvfp4_decode_gluon import (_split_k_arrive, _split_k_take, mma_layout,
                                                stream_pointers, stream_steps, words_layout)
+from engine.kernels.split_k import split_k_buffers
 
 
 def _decode_asm() -> str:
@@ -137,7 +139,6 @@ def sparse24_decode_kernel(
 def unsupported(x, values, meta, cfg) -> str | None:
     """Why the Gluon kernel cannot run this call with config ("gluon", BM, BLOCK_N, WPT, SPLIT_K,
     num_warps, WK), or None."""
-    import torch
     _, _, bn, wpt, split_k, warps, wk = cfg
     m, k = x.shape
     if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] != 9:
@@ -150,14 +151,15 @@ def unsupported(x, values, meta, cfg) -> str | None:
         return f"K={k} not a multiple of {split_k * wk * 16 * wpt}"
     if values.stride(0) != k // 2 or meta.stride(0) != k // 8 or values.stride(1) != 1 or meta.stride(1) != 1:
         return "strided values/meta"
+    if x.stride(1) != 1:
+        return "x not contiguous along K (the kernel reads it in 16-byte vectors)"
     if warps % wk or bn % (16 * (warps // wk)):
         return "tile does not fit the warps"
     return None
 
 
 def launch(x, values, meta, scale, cfg, out):
-    import torch
-    from engine.kernels.split_k import split_k_buffers
+    """out[M, N] = x @ W^T (times scale) with config cfg, which `unsupported` accepted."""
     _, _, bn, wpt, split_k, warps, wk = cfg
     m, k = x.shape
     n = values.shape[0]
