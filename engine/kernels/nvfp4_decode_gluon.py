@@ -319,6 +319,36 @@ def _split_k_take(acc_ptrs, mask, counter_ptr):
     return total
 
 
+@gluon.jit
+def store_rows(ROW_SCALE: gl.constexpr, acc, scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr,
+               count_ptr, BLOCK_N: gl.constexpr, MP: gl.constexpr, SPLIT_K: gl.constexpr):
+    """y[:M, n0 : n0 + BLOCK_N] = ROW_SCALE(total, scale_ptr, rows, N), total the sum of the warps'
+    K slices (through shared memory when WK > 1). With SPLIT_K > 1 the programs of a row tile add
+    into acc_ptr (fp32 [M, N], zero on entry) and the last one writes y and zeroes acc_ptr and its
+    counter in count_ptr."""
+    mma: gl.constexpr = acc.type.layout
+    total = gl.sum(acc, axis=0)
+    out_layout: gl.constexpr = gl.SliceLayout(0, mma)
+    rows_o = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
+    cols_o = gl.arange(0, MP, layout=gl.SliceLayout(0, out_layout))
+    out_ptrs = out_ptr + cols_o[None, :] * stride_om + rows_o[:, None]
+    mask = (cols_o < M)[None, :] & (rows_o < N)[:, None]
+    if SPLIT_K == 1:
+        gl.store(out_ptrs, ROW_SCALE(total, scale_ptr, rows_o, N).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        acc_ptrs = acc_ptr + cols_o[None, :] * N + rows_o[:, None]
+        if _split_k_arrive(total, acc_ptrs, mask, count_ptr + pid_n, SPLIT_K):
+            total = _split_k_take(acc_ptrs, mask, count_ptr + pid_n)
+            gl.store(out_ptrs, ROW_SCALE(total, scale_ptr, rows_o, N).to(out_ptr.dtype.element_ty),
+                     mask=mask)
+
+
+@gluon.jit
+def _times_tensor_scale(total, tensor_scale_ptr, rows, N):
+    """The decode leaves every product scaled by 2^-8: undo it with the tensor scale."""
+    return total * (gl.load(tensor_scale_ptr) * 256.0)
+
+
 @gluon.jit(do_not_specialize=["M"])  # one binary for every M of a tile width
 def nvfp4_decode_kernel(
     x_ptr, words_ptr, scale_ptr, tensor_scale_ptr, out_ptr, acc_ptr, count_ptr,
@@ -346,22 +376,8 @@ def nvfp4_decode_kernel(
     acc = stream_steps(_mma_step, words_ptrs, scale_ptrs, x_ptrs, 0, acc, STEPS, STEP_K, WK, BLOCK_N,
                        WPT, MP)
 
-    # The K slices of the warps meet here (through shared memory when WK > 1).
-    total = gl.sum(acc, axis=0)
-    out_layout: gl.constexpr = gl.SliceLayout(0, mma)
-    # The decode leaves every product scaled by 2^-8.
-    scale_out = gl.load(tensor_scale_ptr) * 256.0
-    rows_o = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
-    cols_o = gl.arange(0, MP, layout=gl.SliceLayout(0, out_layout))
-    out_ptrs = out_ptr + cols_o[None, :] * stride_om + rows_o[:, None]
-    mask = (cols_o < M)[None, :] & (rows_o < N)[:, None]
-    if SPLIT_K == 1:
-        gl.store(out_ptrs, (total * scale_out).to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        acc_ptrs = acc_ptr + cols_o[None, :] * N + rows_o[:, None]
-        if _split_k_arrive(total, acc_ptrs, mask, count_ptr + pid_n, SPLIT_K):
-            total = _split_k_take(acc_ptrs, mask, count_ptr + pid_n)
-            gl.store(out_ptrs, (total * scale_out).to(out_ptr.dtype.element_ty), mask=mask)
+    store_rows(_times_tensor_scale, acc, tensor_scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr,
+               count_ptr, BLOCK_N, MP, SPLIT_K)
 
 
 def decode_config(m: int, n: int, k: int, sm_count: int, block_n: int | None = None,

@@ -28,8 +28,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from engine.kernels.nvfp4_decode_gluon import (_split_k_arrive, _split_k_take, mma_layout,
-                                               stream_pointers, stream_steps, words_layout)
+from engine.kernels.nvfp4_decode_gluon import (mma_layout, store_rows, stream_pointers, stream_steps,
+                                               words_layout)
 from engine.kernels.split_k import split_k_buffers
 
 
@@ -86,6 +86,17 @@ def _mma_step(words, meta, shift, x, acc, WK: gl.constexpr, BLOCK_N: gl.constexp
     return mma_v2(a, b, acc)
 
 
+@gluon.jit
+def _times_row_scale(total, scale_ptr, rows, N):
+    """times the per-output-channel scale[N]."""
+    return total * gl.load(scale_ptr + rows, mask=rows < N, other=0.0)[:, None]
+
+
+@gluon.jit
+def _unscaled(total, scale_ptr, rows, N):
+    return total
+
+
 @gluon.jit(do_not_specialize=["M"])
 def sparse24_decode_kernel(
     x_ptr, words_ptr, meta_ptr, scale_ptr, out_ptr, acc_ptr, count_ptr,
@@ -117,23 +128,12 @@ def sparse24_decode_kernel(
     acc = stream_steps(_mma_step, words_ptrs, meta_ptrs, x_ptrs, shift, acc, STEPS, STEP_K, WK, BLOCK_N,
                        WPT, MP)
 
-    total = gl.sum(acc, axis=0)
-    out_layout: gl.constexpr = gl.SliceLayout(0, mma)
-    rows_o = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
-    cols_o = gl.arange(0, MP, layout=gl.SliceLayout(0, out_layout))
-    out_ptrs = out_ptr + cols_o[None, :] * stride_om + rows_o[:, None]
-    mask = (cols_o < M)[None, :] & (rows_o < N)[:, None]
-    if SPLIT_K == 1:
-        if HAS_SCALE:
-            total = total * gl.load(scale_ptr + rows_o, mask=rows_o < N, other=0.0)[:, None]
-        gl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+    if HAS_SCALE:
+        store_rows(_times_row_scale, acc, scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr,
+                   count_ptr, BLOCK_N, MP, SPLIT_K)
     else:
-        acc_ptrs = acc_ptr + cols_o[None, :] * N + rows_o[:, None]
-        if _split_k_arrive(total, acc_ptrs, mask, count_ptr + pid_n, SPLIT_K):
-            total = _split_k_take(acc_ptrs, mask, count_ptr + pid_n)
-            if HAS_SCALE:
-                total = total * gl.load(scale_ptr + rows_o, mask=rows_o < N, other=0.0)[:, None]
-            gl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+        store_rows(_unscaled, acc, scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr,
+                   count_ptr, BLOCK_N, MP, SPLIT_K)
 
 
 def unsupported(x, values, meta, cfg) -> str | None:
