@@ -152,6 +152,17 @@ def _limit_streaming_three_of_four_layers(engine, kv_tokens: int) -> float:
     return (base + 3.5 * layer_stream_bytes(engine.model.layers[0])) / 2**30
 
 
+def _resident_tokens_and_streaming_limit(kw: dict, prompts, params) -> tuple[list, float]:
+    """llama-tiny's tokens with every layer resident (LLM keywords kw), and the memory limit under
+    which 3 of its layers stream with kw's KV cache."""
+    resident = LLM("llama-tiny", **kw)
+    try:
+        want = [o.token_ids for o in resident.generate(prompts, params)]
+        return want, _limit_streaming_three_of_four_layers(resident.engine, kw["kv_cache_tokens"])
+    finally:
+        resident.shutdown(timeout=1)
+
+
 def test_layers_streamed_under_a_memory_limit_give_the_same_tokens():
     """gpu_memory_limit below what the model needs: some decoder layers live in (pinned) host memory
     and stream through two buffers; the output does not change. On the CPU the streamer runs on
@@ -159,12 +170,7 @@ def test_layers_streamed_under_a_memory_limit_give_the_same_tokens():
     kw = dict(device="cpu", dtype="fp32", kv_cache_tokens=2048, max_num_batched_tokens=256, max_num_seqs=16)
     prompts = [list(range(20, 20 + n)) for n in (5, 40, 90)]
     p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    resident = LLM("llama-tiny", **kw)
-    try:
-        want = [o.token_ids for o in resident.generate(prompts, p)]
-        limit_gib = _limit_streaming_three_of_four_layers(resident.engine, 2048)
-    finally:
-        resident.shutdown(timeout=1)
+    want, limit_gib = _resident_tokens_and_streaming_limit(kw, prompts, p)
     streamed = LLM("llama-tiny", gpu_memory_limit=limit_gib, **kw)
     try:
         assert streamed.engine.streamer is not None
@@ -187,12 +193,7 @@ def test_layers_are_placed_one_at_a_time_under_a_memory_limit(monkeypatch):
               max_num_seqs=16)
     prompts = [list(range(30, 30 + n)) for n in (7, 60)]
     p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    resident = LLM("llama-tiny", **kw)
-    try:
-        want = [o.token_ids for o in resident.generate(prompts, p)]
-        limit_gib = _limit_streaming_three_of_four_layers(resident.engine, 2048)
-    finally:
-        resident.shutdown(timeout=1)
+    want, limit_gib = _resident_tokens_and_streaming_limit(kw, prompts, p)
     events = []
     move_dense, adopt = engine_module.move_dense, LayerStreamer.adopt
 

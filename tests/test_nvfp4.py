@@ -291,15 +291,9 @@ def test_gluon_decode_asm_nibble_order():
                 assert got == want * scale * 2.0 ** -8, (trial, j, p, code)
 
 
-def _ptx_loops(ptx: str) -> list[str]:
-    """The bodies of a PTX function's loops: from a label to a later branch back to it."""
-    import re
-    lines = ptx.splitlines()
-    labels = {m.group(1): i for i, line in enumerate(lines)
-              if (m := re.match(r"(\$L__BB\w+):", line))}
-    return ["\n".join(lines[labels[m.group(1)]:i]) for i, line in enumerate(lines)
-            if (m := re.search(r"bra(?:\.uni)?\s+(\$L__BB\w+);", line))
-            and labels.get(m.group(1), i) < i]
+# Run-time arguments of the Gluon decode kernel, for compiling it on the CPU.
+GLUON_ARGS = dict(x_ptr="*bf16", words_ptr="*i32", scale_ptr="*u8", tensor_scale_ptr="*fp32", out_ptr="*bf16",
+                  acc_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", stride_xm="i32", stride_om="i32")
 
 
 def test_gluon_decode_kernel_compiles_for_sm90():
@@ -308,23 +302,15 @@ def test_gluon_decode_kernel_compiles_for_sm90():
     # memory in the loop, none at all where the warps split rows only (WK = 1, no split-K); with
     # WK = 4 the warps' K slices meet once, after the loop.
     pytest.importorskip("triton.experimental.gluon.language.nvidia.ampere")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from gluon_ptx import compile_sm90, ptx_loops
     from engine.kernels.nvfp4_decode_gluon import nvfp4_decode_kernel
-    names = ["x_ptr", "words_ptr", "scale_ptr", "tensor_scale_ptr", "out_ptr", "acc_ptr",
-             "count_ptr", "M", "N", "stride_xm", "stride_om", "K", "BLOCK_N", "WPT", "MP", "WK",
-             "SPLIT_K"]
-    types = ["*bf16", "*i32", "*u8", "*fp32", "*bf16", "*fp32", "*i32", "i32", "i32", "i32", "i32"]
+
+    def compile_decode(k, block_n, wpt, mp, wk, split_k=1):
+        return compile_sm90(nvfp4_decode_kernel, GLUON_ARGS, {"K": k, "BLOCK_N": block_n, "WPT": wpt,
+                                                               "MP": mp, "WK": wk, "SPLIT_K": split_k})
     for block_n, wk, mp in ((64, 1, 8), (16, 4, 16)):
-        constexprs = {"K": 4096, "BLOCK_N": block_n, "WPT": 4, "MP": mp, "WK": wk, "SPLIT_K": 1}
-        signature = dict(zip(names, types + ["constexpr"] * 6))
-        attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 9, 10)}
-        src = GluonASTSource(nvfp4_decode_kernel, signature,
-                             {(names.index(n),): v for n, v in constexprs.items()}, attrs)
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-        ptx = compiled.asm["ptx"]
-        loops = _ptx_loops(ptx)
+        ptx = compile_decode(4096, block_n, 4, mp, wk)
+        loops = ptx_loops(ptx)
         assert len(loops) == 1, len(loops)
         body = loops[0]
         # Per thread and loop body (2 K steps of 128): 2 16-row blocks' worth of 16-byte word
@@ -341,17 +327,10 @@ def test_gluon_decode_kernel_compiles_for_sm90():
     # Small K: one K step per warp, odd step counts (K = 64: 1 step; 256 over 2 warps: 1 each;
     # 704: 11), as llama-tiny's layers and any K a multiple of 64 give.
     for k, block_n, wk, wpt in ((64, 64, 1, 2), (256, 32, 2, 4), (704, 64, 1, 2)):
-        constexprs = {"K": k, "BLOCK_N": block_n, "WPT": wpt, "MP": 8, "WK": wk, "SPLIT_K": 1}
-        src = GluonASTSource(nvfp4_decode_kernel, dict(zip(names, types + ["constexpr"] * 6)),
-                             {(names.index(n),): v for n, v in constexprs.items()}, attrs)
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
-        assert "mma.sync.aligned.m16n8k16" in ptx, k
+        assert "mma.sync.aligned.m16n8k16" in compile_decode(k, block_n, wpt, 8, wk), k
     # Split-K: the partial sums meet in one launch (atomics, a CTA barrier: thread_barrier in
     # Triton 3.6, barrier later; both compile).
-    constexprs = {"K": 14336, "BLOCK_N": 16, "WPT": 4, "MP": 8, "WK": 4, "SPLIT_K": 4}
-    src = GluonASTSource(nvfp4_decode_kernel, dict(zip(names, types + ["constexpr"] * 6)),
-                         {(names.index(n),): v for n, v in constexprs.items()}, attrs)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    ptx = compile_decode(14336, 16, 4, 8, 4, split_k=4)
     assert "atom." in ptx or "red." in ptx
 
 

@@ -297,28 +297,12 @@ def test_gpu_outputs_fully_written(m, n, k):
 
 # ----------------------------------------------------------------------------- Gluon decode kernel (CPU compile)
 
-def _ptx_loops(ptx: str) -> list[str]:
-    """The bodies of a PTX function's loops: from a label to a later branch back to it."""
-    import re
-    lines = ptx.splitlines()
-    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"(\$L__BB\w+):", line))}
-    return ["\n".join(lines[labels[m.group(1)]:i]) for i, line in enumerate(lines)
-            if (m := re.search(r"bra(?:\.uni)?\s+(\$L__BB\w+);", line)) and labels.get(m.group(1), i) < i]
-
-
 def _compile_gluon_sm90(**constexprs):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from gluon_ptx import compile_sm90
     from engine.kernels.sparse24_gluon import sparse24_decode_kernel
-    names = ["x_ptr", "words_ptr", "meta_ptr", "scale_ptr", "out_ptr", "acc_ptr", "count_ptr", "M", "N",
-             "stride_xm", "stride_om", "K", "BLOCK_N", "WPT", "MP", "WK", "SPLIT_K", "HAS_SCALE"]
-    types = ["*bf16", "*i32", "*u8", "*fp32", "*bf16", "*fp32", "*i32", "i32", "i32", "i32", "i32"]
-    c = {"SPLIT_K": 1, "HAS_SCALE": False, **constexprs}
-    src = GluonASTSource(sparse24_decode_kernel, dict(zip(names, types + ["constexpr"] * 7)),
-                         {(names.index(n),): v for n, v in c.items()},
-                         {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 9, 10)})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    args = dict(x_ptr="*bf16", words_ptr="*i32", meta_ptr="*u8", scale_ptr="*fp32", out_ptr="*bf16",
+                acc_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", stride_xm="i32", stride_om="i32")
+    return compile_sm90(sparse24_decode_kernel, args, {"SPLIT_K": 1, "HAS_SCALE": False, **constexprs})
 
 
 def test_gluon_decode_kernel_compiles_for_sm90():
@@ -327,9 +311,10 @@ def test_gluon_decode_kernel_compiles_for_sm90():
     # shared memory in the loop, none at all where the warps split rows only (WK = 1); with WK = 4
     # the warps' K slices meet once, after the loop.
     pytest.importorskip("triton.experimental.gluon.language.nvidia.ampere")
+    from gluon_ptx import ptx_loops
     for block_n, wk, mp, wpt in ((64, 1, 8, 4), (16, 4, 16, 4), (32, 2, 8, 8)):
         ptx = _compile_gluon_sm90(K=4096, BLOCK_N=block_n, WPT=wpt, MP=mp, WK=wk)
-        loops = _ptx_loops(ptx)
+        loops = ptx_loops(ptx)
         assert len(loops) == 1, len(loops)
         body = loops[0]
         blocks = block_n // (16 * (4 // wk))  # 16-row blocks per warp
