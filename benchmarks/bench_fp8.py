@@ -99,7 +99,7 @@ def ours(s, fast_accum=False):
 
 
 def accuracy_table(rowwise, promotes=()):
-    from engine.kernels.cute.fp8_gemm_sm90 import fp8_gemm_sm90
+    from engine.kernels.cute.fp8_gemm_sm90 import TILE_K, fp8_gemm_sm90
     print("\n| N x K | M | ours | ours fast_accum | cuBLAS fp8 | cuBLAS fp8 fast_accum | cuBLAS bf16 | "
           + "".join(f"ours, promote every {p} | " for p in promotes))
     print("|---|---|---|---|---|---|---|" + "---|" * len(promotes))
@@ -120,7 +120,7 @@ def accuracy_table(rowwise, promotes=()):
             cells += [float("nan"), float("nan")]
         cells.append(err(torch.matmul(s["x"], s["w"].t()), ref_bf16))
         cells += [err(fp8_gemm_sm90(s["qx"], s["xs"], s["qw"], s["ws"], promote_every=p))
-                  if math.ceil(k / 128) % p == 0 else float("nan") for p in promotes]
+                  if math.ceil(k / TILE_K) % p == 0 else float("nan") for p in promotes]
         print(f"| {n} x {k} | {m} | " + " | ".join(f"{c:.2e}" for c in cells) + " |")
 
 
@@ -157,7 +157,8 @@ def alternating_passes(ms, passes, swizzles, promotes):
     default, each tile order in `swizzles` and each promotion interval in `promotes`) run back to
     back over the same operands, `passes` times, and each variant's time ratio to the cuBLAS time of
     the same pass is kept."""
-    from engine.kernels.cute.fp8_gemm_sm90 import choose_promote_every, choose_swizzle, choose_tile, fp8_gemm_sm90
+    from engine.kernels.cute.fp8_gemm_sm90 import (TILE_K, choose_promote_every, choose_swizzle, choose_tile,
+                                                   fp8_gemm_sm90)
     from engine.kernels.cute.common import sm_count
     print(f"\nours vs cuBLAS fp8 (default accumulation), {passes} alternating passes; ratio = cuBLAS time / "
           "ours (>1 = ours faster), median and min over the passes")
@@ -170,7 +171,7 @@ def alternating_passes(ms, passes, swizzles, promotes):
             flops = 2 * m * n * k
             tile = choose_tile(m, n, sm_count())
             n_tiles = n // tile[1]
-            k_tiles = math.ceil(k / 128)
+            k_tiles = math.ceil(k / TILE_K)
             variants = {f"default (swizzle {choose_swizzle(n_tiles)}, promote every {choose_promote_every(k)})": {}}
             variants.update({f"swizzle {sw}": dict(swizzle=sw) for sw in swizzles if n_tiles % sw == 0})
             variants.update({f"promote every {p}": dict(promote_every=p) for p in promotes if k_tiles % p == 0})

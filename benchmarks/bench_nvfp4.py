@@ -174,6 +174,12 @@ def main():
             except RuntimeError as e:  # cuBLASLt fp8 may want M % 16 == 0
                 print(f"fp8 _scaled_mm N={n} K={k} M={m}: not run ({str(e).splitlines()[0][:80]})")
             if args.sweep and m in (1, 16):
+                def sweep_point(label, cfg):
+                    """A decode configuration checked, then timed: (us, fraction of copy BW)."""
+                    check(label, dec.nvfp4_matmul(x, w_q, config=cfg), ref)
+                    t = graph_time_us(lambda i: dec.nvfp4_matmul(x, qs[i], config=cfg), copies_q)
+                    return t, (w_q.nbytes + act_out_bytes) / t / 1e3 / copy_gbs
+
                 for block_n, block_k, wpt, warps, stages in SWEEP:
                     for split in (1, 2, 4, 8):
                         steps = k // block_k
@@ -183,12 +189,9 @@ def main():
                                                  block_n=block_n, block_k=block_k,
                                                  words_per_thread=wpt, num_warps=warps,
                                                  num_stages=stages, split_k=split)
-                        check("sweep", dec.nvfp4_matmul(x, w_q, config=cfg), ref)
-                        t = graph_time_us(lambda i: dec.nvfp4_matmul(x, qs[i], config=cfg),
-                                          copies_q)
-                        gbs = (w_q.nbytes + act_out_bytes) / t / 1e3
+                        t, of_copy = sweep_point("sweep", cfg)
                         sweep_rows.append((n, k, m, block_n, block_k, wpt, warps, stages, split,
-                                           t, gbs / copy_gbs))
+                                           t, of_copy))
                 for warps, block_n, warps_k, wpt in GLUON_SWEEP:
                     for split in (1, 2, 4, 8):
                         k_warp = split * warps_k * 32 * wpt  # K one step covers over warps, splits
@@ -197,12 +200,9 @@ def main():
                         cfg = gdec.decode_config(m, n, k, props.multi_processor_count,
                                                  num_warps=warps, block_n=block_n, warps_k=warps_k,
                                                  split_k=split, words_per_thread=wpt)
-                        check("gluon sweep", dec.nvfp4_matmul(x, w_q, config=cfg), ref)
-                        t = graph_time_us(lambda i: dec.nvfp4_matmul(x, qs[i], config=cfg),
-                                          copies_q)
-                        gbs = (w_q.nbytes + act_out_bytes) / t / 1e3
+                        t, of_copy = sweep_point("gluon sweep", cfg)
                         gluon_sweep_rows.append((n, k, m, warps, block_n, warps_k, wpt, split, t,
-                                                 gbs / copy_gbs))
+                                                 of_copy))
         qs = bs = fs = dq_ref = None  # free the copies before the next shape
         torch.cuda.empty_cache()
 

@@ -127,9 +127,10 @@ class Fp8GemmSm90:
         # the ring's stages, or the producer could never fill the next one. K's k-tiles must split
         # into whole batches (K is compile-time, so this is checked once).
         self.promote_every = 1 if fast_accum else promote_every
-        if self.promote_every >= self.ab_stages or math.ceil(k / TILE_K) % self.promote_every:
+        k_tiles = math.ceil(k / TILE_K)
+        if self.promote_every >= self.ab_stages or k_tiles % self.promote_every:
             raise ValueError(f"promote_every={promote_every} needs fewer than {self.ab_stages} stages and to "
-                             f"divide the {math.ceil(k / TILE_K)} k-tiles of K={k}")
+                             f"divide the {k_tiles} k-tiles of K={k}")
 
     def compile(self, stream=None):
         """Compile for the current target with placeholder pointers (M stays a run-time argument)."""
