@@ -244,6 +244,38 @@ def test_gpu_decode_kernel_all_configs(m, n, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
+def test_gpu_sparse_mma_kernel(m):
+    # Every "sp" candidate and other tilings, on N tails, K from one step per warp to 14336, with
+    # and without a per-row scale; outputs poisoned first. The metadata layout (two threads per
+    # quad, four groups of both rows each) is what these products check.
+    from engine.kernels import sparse24_sp_gluon as sp
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("sm_90 kernel")
+    cfgs = s24._SP + [("sp", 16, 32, 4, 1, 4, 2), ("sp", 16, 64, 2, 2, 8, 2), ("sp", 16, 16, 4, 4, 8, 8)]
+    for n, k in ((777, 4096), (1000, 1024), (48, 512), (4096, 14336)):
+        w, x = _gpu_case(m, n, k, 5 * m + n)
+        t = s24.compress_24(w)
+        scale = torch.rand(n, device="cuda") + 0.5
+        for cfg in cfgs:
+            if sp.unsupported(x, t.values, t.meta, cfg):
+                continue
+            for sc in (None, scale):
+                ref = fp64_ref(x, w if sc is None else w.double() * sc.double()[:, None])
+                out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                sp.launch(x, t.values, t.meta, sc, cfg, out)
+                torch.cuda.synchronize()
+                assert not torch.isnan(out).any(), cfg
+                assert rel_err(out, ref) < 8e-3, (cfg, n, k)
+    # Through the dispatcher the candidates run the sparse kernel itself, not the fallback.
+    w, x = _gpu_case(m, 1000, 1024, 3)
+    t = s24.compress_24(w)
+    for cfg in s24._SP:
+        s24.sparse24_mm(x, t.values, t.meta, config=cfg)
+    assert not [key for key in s24.GLUON_SKIPPED if key[0] in s24._SP and key[1] == m], s24.GLUON_SKIPPED
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", GPU_SHAPES)
 def test_gpu_backends_all_paths(m, n, k):
     torch.manual_seed(m + n + k)
@@ -334,6 +366,30 @@ def test_gluon_decode_kernel_compiles_for_sm90():
     # Triton 3.6, barrier later; both compile).
     ptx = _compile_gluon_sm90(K=14336, BLOCK_N=16, WPT=4, MP=8, WK=4, SPLIT_K=4)
     assert "atom." in ptx or "red." in ptx
+
+
+def test_sparse_mma_kernel_compiles_for_sm90():
+    # mma.sp on the stored words: per K step of 16 * WPT and 8-token tile WPT/2 sparse k32 MMAs,
+    # no dense MMA (nor its expansion); the words load straight into the A registers as 16-byte
+    # vectors (WPT 4, 8), x as 4-byte pairs; no shared memory in the loop.
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.ampere")
+    from gluon_ptx import compile_sm90, ptx_loops
+    from engine.kernels.sparse24_sp_gluon import sparse24_sp_kernel
+    args = dict(x_ptr="*i32", words_ptr="*i32", meta_ptr="*u8", scale_ptr="*fp32", out_ptr="*bf16",
+                acc_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", stride_xm="i32", stride_om="i32")
+    for wpt, mp, wk, warps, split in ((4, 8, 2, 4, 1), (8, 16, 4, 4, 2), (2, 8, 1, 4, 1), (8, 8, 4, 8, 2)):
+        ptx = compile_sm90(sparse24_sp_kernel, args, dict(K=8192, BLOCK_N=16 * warps // wk, WPT=wpt, MP=mp,
+                                                          WK=wk, SPLIT_K=split, HAS_SCALE=split == 2),
+                           num_warps=warps)
+        loops = ptx_loops(ptx)
+        assert len(loops) == 1
+        body = loops[0]
+        assert body.count("mma.sp.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32") == 2 * (wpt // 2) * (mp // 8)
+        assert "mma.sync.aligned.m16n8k16" not in body
+        if wpt >= 4:  # 2 steps x 2 rows of words (+ the meta: 2 x 16 bytes per step at WPT 8)
+            assert body.count("ld.global.v4.b32") == 2 * 2 * wpt // 4 + (4 if wpt == 8 else 0)
+        assert body.count("ld.global.b32") >= 2 * 2 * wpt * (mp // 8)
+        assert "shared" not in body and "bar.sync" not in body
 
 
 def test_gluon_configs_are_decode_candidates():

@@ -270,31 +270,53 @@ def stream_pointers(words_ptr, side_ptr, x_ptr, n0, k0, M, N, stride_xm, K: gl.c
 @gluon.jit
 def stream_steps(MMA_STEP: gl.constexpr, words_ptrs, side_ptrs, x_ptrs, aux, acc,
                  STEPS: gl.constexpr, STEP_K: gl.constexpr, WK: gl.constexpr, BLOCK_N: gl.constexpr,
-                 WPT: gl.constexpr, MP: gl.constexpr):
+                 WPT: gl.constexpr, MP: gl.constexpr, X_AHEAD: gl.constexpr = False):
     """acc += every K step of the warp's slice, MMA_STEP(words, side, aux, x, acc, ..) decoding
     one step. Two steps in flight: the loop body consumes steps i, i+1 and refills them with i+2,
-    i+3; the pointers advance once per body, the steps are constant offsets from them."""
+    i+3; the pointers advance once per body, the steps are constant offsets from them. X_AHEAD:
+    x is loaded with the weights, two steps ahead (for x that does not stay in L1: 16 tokens),
+    else when its step runs (L1 hits at a few tokens, fewer registers)."""
+    X_STEP: gl.constexpr = WK * STEP_K
     w_a, s_a = _load_step(words_ptrs, side_ptrs, 0, WPT, WK)
+    if X_AHEAD:
+        x_a = gl.load(x_ptrs)
     if STEPS > 1:
         w_b, s_b = _load_step(words_ptrs, side_ptrs, 1, WPT, WK)
+        if X_AHEAD:
+            x_b = gl.load(x_ptrs + X_STEP)
     else:  # one step per warp (small K): the loop below runs no iteration but is still compiled
         w_b, s_b = w_a, s_a
+        if X_AHEAD:
+            x_b = x_a
     for _ in range((STEPS - 2) // 2):
-        acc = MMA_STEP(w_a, s_a, aux, gl.load(x_ptrs), acc, WK, BLOCK_N, WPT, MP)
-        w_a, s_a = _load_step(words_ptrs, side_ptrs, 2, WPT, WK)
-        acc = MMA_STEP(w_b, s_b, aux, gl.load(x_ptrs + WK * STEP_K), acc, WK, BLOCK_N, WPT, MP)
-        w_b, s_b = _load_step(words_ptrs, side_ptrs, 3, WPT, WK)
+        if X_AHEAD:
+            acc = MMA_STEP(w_a, s_a, aux, x_a, acc, WK, BLOCK_N, WPT, MP)
+            w_a, s_a = _load_step(words_ptrs, side_ptrs, 2, WPT, WK)
+            x_a = gl.load(x_ptrs + 2 * X_STEP)
+            acc = MMA_STEP(w_b, s_b, aux, x_b, acc, WK, BLOCK_N, WPT, MP)
+            w_b, s_b = _load_step(words_ptrs, side_ptrs, 3, WPT, WK)
+            x_b = gl.load(x_ptrs + 3 * X_STEP)
+        else:
+            acc = MMA_STEP(w_a, s_a, aux, gl.load(x_ptrs), acc, WK, BLOCK_N, WPT, MP)
+            w_a, s_a = _load_step(words_ptrs, side_ptrs, 2, WPT, WK)
+            acc = MMA_STEP(w_b, s_b, aux, gl.load(x_ptrs + X_STEP), acc, WK, BLOCK_N, WPT, MP)
+            w_b, s_b = _load_step(words_ptrs, side_ptrs, 3, WPT, WK)
         words_ptrs += 2 * WK * (4 * WPT)
         side_ptrs += 2 * WK * 4
-        x_ptrs += 2 * WK * STEP_K
+        x_ptrs += 2 * X_STEP
     LEFT: gl.constexpr = STEPS - 2 * ((STEPS - 2) // 2) if STEPS > 1 else 1  # 1, 2 or 3
-    acc = MMA_STEP(w_a, s_a, aux, gl.load(x_ptrs), acc, WK, BLOCK_N, WPT, MP)
+    if not X_AHEAD:
+        x_a = gl.load(x_ptrs)
+    acc = MMA_STEP(w_a, s_a, aux, x_a, acc, WK, BLOCK_N, WPT, MP)
     if LEFT == 3:
         w_a, s_a = _load_step(words_ptrs, side_ptrs, 2, WPT, WK)
+        x_a = gl.load(x_ptrs + 2 * X_STEP)
     if LEFT >= 2:
-        acc = MMA_STEP(w_b, s_b, aux, gl.load(x_ptrs + WK * STEP_K), acc, WK, BLOCK_N, WPT, MP)
+        if not X_AHEAD:
+            x_b = gl.load(x_ptrs + X_STEP)
+        acc = MMA_STEP(w_b, s_b, aux, x_b, acc, WK, BLOCK_N, WPT, MP)
     if LEFT == 3:
-        acc = MMA_STEP(w_a, s_a, aux, gl.load(x_ptrs + 2 * WK * STEP_K), acc, WK, BLOCK_N, WPT, MP)
+        acc = MMA_STEP(w_a, s_a, aux, x_a, acc, WK, BLOCK_N, WPT, MP)
     return acc
 
 

@@ -143,12 +143,21 @@ _MMA = [("mma", 16, 128, 256, 1, 4, 3, 8, 16), ("mma", 16, 128, 256, 1, 4, 3, 4,
 # rotated beyond L2): gate_up 28672 x 4096 36.3-37.1 us at M = 1 (32 rows x 2 K slices; 3.6 TB/s,
 # 1.18-1.22x the best "mma"), down 4096 x 14336 21.7-22.4 us (16 rows x 4 slices, split 4;
 # 1.05-1.08x); at M = 16 no faster than "mma" (44.0-44.6 vs 44.2-44.6 us gate_up, 28.6 vs 24.0 down).
+# An optional 8th entry True loads x two steps ahead (stream_steps' X_AHEAD): 26.6 against 29.0 us
+# for down at M = 16, no gain elsewhere (H200).
 _GLUON = [("gluon", 16, 32, 4, 1, 4, 2), ("gluon", 16, 64, 4, 1, 8, 2), ("gluon", 16, 16, 4, 4, 4, 4),
           ("gluon", 16, 16, 8, 2, 4, 4), ("gluon", 16, 32, 4, 4, 4, 2), ("gluon", 16, 16, 4, 8, 4, 4)]
-_GLUON16 = [("gluon", 16, 32, 4, 1, 4, 2), ("gluon", 16, 32, 4, 4, 4, 2)]
+_GLUON16 = [("gluon", 16, 32, 4, 1, 4, 2), ("gluon", 16, 32, 4, 4, 4, 2), ("gluon", 16, 32, 4, 4, 4, 2, True)]
+# "sp": engine/kernels/sparse24_sp_gluon.py, the sparse tensor cores (mma.sp) on the stored values
+# (sm_90, bf16, M <= 8 here), ("sp", BM, BLOCK_N = 16 rows per row warp, WPT, SPLIT_K, num_warps,
+# WK), skipped like "gluon". The fastest of an H200 sweep at M = 1: gate_up 34.1-35.1 us (32 x 2,
+# 64 x 1, 16 x 4 rows x K slices), down 19.6-20.1 us (split 1-4 with 4-8 K slices), against 37.2
+# and 21.9 for the best "gluon" in the same run.
+_SP = [("sp", 16, 32, 8, 1, 4, 2), ("sp", 16, 64, 8, 1, 4, 1), ("sp", 16, 16, 8, 1, 4, 4),
+       ("sp", 16, 16, 8, 1, 8, 8), ("sp", 16, 16, 8, 2, 4, 4), ("sp", 16, 32, 8, 4, 4, 2)]
 _DECODE_CONFIGS = {
-    1: _MMA + [("fma", 1, 32, 256, 1, 4, 1), ("fma", 1, 16, 256, 2, 4, 1)] + _GLUON,
-    4: _MMA + [("fma", 4, 32, 256, 1, 4, 1)] + _GLUON,
+    1: _MMA + [("fma", 1, 32, 256, 1, 4, 1), ("fma", 1, 16, 256, 2, 4, 1)] + _GLUON + _SP,
+    4: _MMA + [("fma", 4, 32, 256, 1, 4, 1)] + _GLUON + _SP,
     16: _MMA + [("wtile", 16, 64, 256, 2, 4, 3)] + _GLUON16,
     32: [("mma", 32, 128, 256, 1, 4, 3, 8, 16), ("mma", 32, 128, 128, 8, 4, 4, 8, 16),
          ("mma", 32, 64, 256, 4, 4, 3, 4, 16), ("wtile", 32, 64, 256, 1, 4, 3), ("xsplit", 32, 32, 256, 1, 4, 3)],
@@ -177,13 +186,16 @@ def _launch(x, values, meta, scale, cfg, out=None):
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if kind == "mma":
         return _launch_mma(x, values, meta, scale, cfg, out)
-    if kind == "gluon":
+    if kind in ("gluon", "sp"):
         reason = "interpreter" if _interpreting() else None
         if reason is None:
-            from engine.kernels import sparse24_gluon
-            reason = sparse24_gluon.unsupported(x, values, meta, cfg)
+            if kind == "gluon":
+                from engine.kernels import sparse24_gluon as gluon_kernel
+            else:
+                from engine.kernels import sparse24_sp_gluon as gluon_kernel
+            reason = gluon_kernel.unsupported(x, values, meta, cfg)
             if reason is None:
-                return sparse24_gluon.launch(x, values, meta, scale, cfg, out)
+                return gluon_kernel.launch(x, values, meta, scale, cfg, out)
         GLUON_SKIPPED[(cfg, m, n, k, values.dtype)] = reason
         return _launch_mma(x, values, meta, scale, _MMA[0], out)
     # Split-K partial sums meet in a zeroed fp32 buffer by atomics; one pass writes `out` directly.

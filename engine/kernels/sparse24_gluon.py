@@ -102,7 +102,7 @@ def sparse24_decode_kernel(
     x_ptr, words_ptr, meta_ptr, scale_ptr, out_ptr, acc_ptr, count_ptr,
     M, N, stride_xm, stride_om, K: gl.constexpr,
     BLOCK_N: gl.constexpr, WPT: gl.constexpr, MP: gl.constexpr, WK: gl.constexpr,
-    SPLIT_K: gl.constexpr, HAS_SCALE: gl.constexpr,
+    SPLIT_K: gl.constexpr, HAS_SCALE: gl.constexpr, X_AHEAD: gl.constexpr = False,
 ):
     """y[M, N] = x @ W^T (times scale[N]) for M <= MP (8 or 16). words_ptr: the kept values as
     int32 [N, K/4] (one word per group), meta_ptr: [N, K/8] bytes, read WPT/2 at a time (u8, u16,
@@ -126,7 +126,7 @@ def sparse24_decode_kernel(
     shift = ((w_cols % WPT) * 4)[None, None, :]
     acc = gl.zeros([WK, BLOCK_N, MP], gl.float32, layout=mma)
     acc = stream_steps(_mma_step, words_ptrs, meta_ptrs, x_ptrs, shift, acc, STEPS, STEP_K, WK, BLOCK_N,
-                       WPT, MP)
+                       WPT, MP, X_AHEAD)
 
     if HAS_SCALE:
         store_rows(_times_row_scale, acc, scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr,
@@ -139,7 +139,7 @@ def sparse24_decode_kernel(
 def unsupported(x, values, meta, cfg) -> str | None:
     """Why the Gluon kernel cannot run this call with config ("gluon", BM, BLOCK_N, WPT, SPLIT_K,
     num_warps, WK), or None."""
-    _, _, bn, wpt, split_k, warps, wk = cfg
+    _, _, bn, wpt, split_k, warps, wk = cfg[:7]
     m, k = x.shape
     if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] != 9:
         return "not sm_90"
@@ -160,7 +160,8 @@ def unsupported(x, values, meta, cfg) -> str | None:
 
 def launch(x, values, meta, scale, cfg, out):
     """out[M, N] = x @ W^T (times scale) with config cfg, which `unsupported` accepted."""
-    _, _, bn, wpt, split_k, warps, wk = cfg
+    _, _, bn, wpt, split_k, warps, wk = cfg[:7]
+    x_ahead = len(cfg) > 7 and bool(cfg[7])
     m, k = x.shape
     n = values.shape[0]
     tiles = -(-n // bn)
@@ -169,5 +170,5 @@ def launch(x, values, meta, scale, cfg, out):
     sparse24_decode_kernel[(tiles, split_k)](
         x, words, meta, scale if scale is not None else words, out, acc, count, m, n,
         x.stride(0), out.stride(0), K=k, BLOCK_N=bn, WPT=wpt, MP=8 if m <= 8 else 16, WK=wk,
-        SPLIT_K=split_k, HAS_SCALE=scale is not None, num_warps=warps)
+        SPLIT_K=split_k, HAS_SCALE=scale is not None, X_AHEAD=x_ahead, num_warps=warps)
     return out

@@ -1,0 +1,287 @@
+"""2:4-sparse decode GEMM on Hopper's sparse tensor cores (mma.sp m16n8k32), in Gluon, for
+M <= 16 tokens: y = x @ W^T, W 2:4-compressed (`values` bf16 [N, K/2], `meta` uint8 [N, K/8], see
+sparse24.py).
+
+The kept values go to the tensor core as they are stored: mma.sp takes the A operand compressed
+(16 x 16 kept values standing for 16 x 32) plus 2-bit indices, so there is no expansion in registers
+(engine/kernels/sparse24_gluon.py builds the dense fragment with two `prmt` per group) and one
+instruction does the work of two dense k16 MMAs.
+
+Fragments (PTX ISA, sparse m16n8k32 .bf16; groupID g = lane / 4, q = lane % 4):
+- A, 4 registers, each one group's two kept values (the stored 32-bit word): rows g, g + 8 of
+  logical groups q and q + 4 of the k32 block.
+- B (x^T), 4 registers of bf16 pairs: token g, logical K 2q + 8i (+0, +1), i = 0..3.
+- metadata, 1 register read from threads q = 0 and 1 of each quad (sparsity selector 0): thread q
+  holds logical groups 4q .. 4q + 3 of row g in bits 0..15 and of row g + 8 in bits 16..31, a
+  nibble per group, i0 | i1 << 2: the stored nibble. (Checked on the H200: one row per thread, all
+  8 groups, gives wrong products.)
+- C / D: rows g, g + 8, tokens 2q, 2q + 1, as the dense m16n8k16.
+
+K order. A K step is 4 * WPT groups of a row (16 * WPT K); thread q loads WPT consecutive stored
+words (16 bytes at WPT = 4) of rows g and g + 8, so the WPT/2 k32 MMAs of the step must read their
+logical groups q and q + 4 from those words: MMA c takes stored group WPT * (j % 4) + 2c + j // 4
+as its logical group j. x is read in the same order (a permutation of K applied to both operands
+leaves the product unchanged); a thread's B pairs are then 4-byte pieces (two threads share each
+stored group of x), loaded as such, two steps ahead like the weights. The metadata registers are
+assembled from the stored nibbles of the step (2 * WPT bytes per row, rows g and g + 8 loaded by
+every thread of the quad): byte (WPT/2) * m + c holds logical groups m (low nibble) and m + 4
+(high) of MMA c.
+
+Measured (H200, CUDA-graph medians over 3 weight copies, against the best configuration of the
+`prmt` kernel in the same run): M = 1, gate_up 28672 x 4096 34.1 against 37.2 us (3.9 TB/s of
+compressed weight), down 4096 x 14336 19.6 against 21.9 us. About 40% fewer instructions per K
+step (no expansion, half the MMAs). Not at 9..16 tokens: the B pairs are 4-byte loads per token
+tile, 16 per thread and K step, and the kernel took 87 us against 45 for gate_up at M = 16, so
+sparse24.py offers it for M <= 8 only.
+
+Work split as in the other Gluon decode kernels (engine/kernels/nvfp4_decode_gluon.py, whose K loop
+`stream_steps` and epilogue `store_rows` this kernel runs): num_warps / WK warps split the rows,
+16 each, WK warps split K step by step, SPLIT_K programs split K in one launch; two K steps in
+flight per warp; rows past N and tokens past M re-read the last one, so the loop has no masks.
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from engine.kernels.nvfp4_decode_gluon import store_rows, stream_steps
+from engine.kernels.split_k import split_k_buffers
+
+_MMA_SP = gl.constexpr(
+    "mma.sp.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32 "
+    "{$0, $1, $2, $3}, {$8, $9, $10, $11}, {$12, $13, $14, $15}, {$4, $5, $6, $7}, $16, 0x0;")
+_MMA_SP_CONSTRAINTS = gl.constexpr(",".join(["=f"] * 4 + ["f"] * 4 + ["r"] * 12))
+
+
+@gluon.constexpr_function
+def _fragments(t: int, wn: int, wk: int):
+    """[WK, WN, T, 8 (g), 4 (q), 4 (register)] : one MMA's operands per thread, register-last."""
+    return gl.BlockedLayout(size_per_thread=[1, 1, t, 1, 1, 4], threads_per_warp=[1, 1, 1, 8, 4, 1],
+                            warps_per_cta=[wk, wn, 1, 1, 1, 1], order=[5, 4, 3, 2, 1, 0])
+
+
+@gluon.constexpr_function
+def _rows_layout(width: int, wn: int, wk: int):
+    """[WK, WN, 8 (g), 4 (q), width]: a thread's `width` contiguous elements of its rows."""
+    return gl.BlockedLayout(size_per_thread=[1, 1, 1, 1, width], threads_per_warp=[1, 1, 8, 4, 1],
+                            warps_per_cta=[wk, wn, 1, 1, 1], order=[4, 3, 2, 1, 0])
+
+
+@gluon.constexpr_function
+def _x_layout(t: int, width: int, wn: int, wk: int):
+    """[WK, WN, T, 8 (g), 4 (q), width]: a thread's x pairs for its token(s) and step."""
+    return gl.BlockedLayout(size_per_thread=[1, 1, t, 1, 1, width], threads_per_warp=[1, 1, 1, 8, 4, 1],
+                            warps_per_cta=[wk, wn, 1, 1, 1, 1], order=[5, 4, 3, 2, 1, 0])
+
+
+@gluon.jit
+def _dims5(n0: gl.constexpr, n1: gl.constexpr, n2: gl.constexpr, n3: gl.constexpr, n4: gl.constexpr,
+           layout: gl.constexpr):
+    """Index vectors of a 5-D layout, each broadcastable to the full shape."""
+    i0 = gl.arange(0, n0, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, layout)))))
+    i1 = gl.arange(0, n1, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, layout)))))
+    i2 = gl.arange(0, n2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, layout)))))
+    i3 = gl.arange(0, n3, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, layout)))))
+    i4 = gl.arange(0, n4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, layout)))))
+    return (i0[:, None, None, None, None], i1[None, :, None, None, None], i2[None, None, :, None, None],
+            i3[None, None, None, :, None], i4[None, None, None, None, :])
+
+
+@gluon.jit
+def _dims6(n0: gl.constexpr, n1: gl.constexpr, n2: gl.constexpr, n3: gl.constexpr, n4: gl.constexpr,
+           n5: gl.constexpr, layout: gl.constexpr):
+    """Index vectors of a 6-D layout, each broadcastable to the full shape."""
+    l5: gl.constexpr = gl.SliceLayout(5, layout)
+    l4: gl.constexpr = gl.SliceLayout(4, layout)
+    i0 = gl.arange(0, n0, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, l5)))))
+    i1 = gl.arange(0, n1, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, l5)))))
+    i2 = gl.arange(0, n2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, l5)))))
+    i3 = gl.arange(0, n3, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, l5)))))
+    i4 = gl.arange(0, n4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, l5)))))
+    i5 = gl.arange(0, n5, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, l4)))))
+    return (i0[:, None, None, None, None, None], i1[None, :, None, None, None, None],
+            i2[None, None, :, None, None, None], i3[None, None, None, :, None, None],
+            i4[None, None, None, None, :, None], i5[None, None, None, None, None, :])
+
+
+@gluon.jit
+def _with_tokens(v, T: gl.constexpr, layout: gl.constexpr):
+    """[WK, WN, 8, 4, 4] -> [WK, WN, T, 8, 4, 4] in the fragment layout, repeated over the token
+    tiles (registers only)."""
+    if T == 2:
+        v = gl.join(v, v).permute(0, 1, 5, 2, 3, 4)
+    else:
+        v = v.reshape(v.shape[0], v.shape[1], 1, 8, 4, 4)
+    return gl.convert_layout(v, layout)
+
+
+@gluon.jit
+def _meta_register(meta, c: gl.constexpr, WK: gl.constexpr, WN: gl.constexpr):
+    """The metadata register of MMA c, repeated in the 4 registers of the fragment: meta
+    [WK, WN, 8, 4, 8] holds rows g and g + 8 of the step (4 elements of WPT/2 bytes each), shifted
+    right by 4 (q % 2); nibble q % 2 of byte c of element m is logical group 4 (q % 2) + m. Out:
+    bits 0..15 row g, 16..31 row g + 8, a nibble per group."""
+    m = (meta >> (8 * c)) & 0xF
+    m = m.reshape(WK, WN, 8, 4, 2, 2, 2)
+    a, b = gl.split(m)          # element bit 0
+    a0, a1 = gl.split(a)        # element bit 1: a0 = e0, a1 = e2
+    b0, b1 = gl.split(b)        # b0 = e1, b1 = e3
+    r = a0 | (b0 << 4) | (a1 << 8) | (b1 << 12)   # [.., row8]
+    r0, r1 = gl.split(r)
+    v = r0 | (r1 << 16)
+    v = gl.join(v, v)
+    return gl.join(v, v).reshape(WK, WN, 8, 4, 4)
+
+
+@gluon.jit
+def _mma_sp_step(words, meta, aux, x, acc, WK: gl.constexpr, BLOCK_N: gl.constexpr,
+                 WPT: gl.constexpr, MP: gl.constexpr):
+    """acc += W_step @ x_step^T for one K step (WPT / 2 sparse MMAs per 16 rows and 8 tokens).
+    words [WK, WN, 8, 4, 2 * WPT] (row g then g + 8, WPT words each), meta [WK, WN, 8, 4, 8] (rows
+    g, g + 8: their 4 elements of the step), aux: the metadata shift 4 (q % 2) in meta's layout,
+    x [WK, WN, T, 8, 4, 2 * WPT] int32 pairs (index 4c + i: B register i of MMA c)."""
+    T: gl.constexpr = MP // 8
+    WN: gl.constexpr = BLOCK_N // 16
+    frag: gl.constexpr = acc.type.layout
+    C: gl.constexpr = WPT // 2
+    # words: (row8, c, wb) -> A register 2 * wb + row8 of MMA c
+    w = words.reshape(WK, WN, 8, 4, 2, C, 2).permute(0, 1, 2, 3, 6, 4, 5)
+    xb = x.reshape(WK, WN, T, 8, 4, C, 4).permute(0, 1, 2, 3, 4, 6, 5)
+    meta = meta.to(gl.uint32) >> aux
+    if C == 1:
+        a_regs = (w.reshape(WK, WN, 8, 4, 4),)
+        b_regs = (xb.reshape(WK, WN, T, 8, 4, 4),)
+    elif C == 2:
+        a0, a1 = gl.split(w)
+        b0, b1 = gl.split(xb)
+        a_regs = (a0.reshape(WK, WN, 8, 4, 4), a1.reshape(WK, WN, 8, 4, 4))
+        b_regs = (b0, b1)
+    else:
+        wl, wh = gl.split(w.reshape(WK, WN, 8, 4, 2, 2, 2, 2))
+        a0, a2 = gl.split(wl)
+        a1, a3 = gl.split(wh)
+        xl, xh = gl.split(xb.reshape(WK, WN, T, 8, 4, 4, 2, 2))
+        b0, b2 = gl.split(xl)
+        b1, b3 = gl.split(xh)
+        a_regs = (a0.reshape(WK, WN, 8, 4, 4), a1.reshape(WK, WN, 8, 4, 4),
+                  a2.reshape(WK, WN, 8, 4, 4), a3.reshape(WK, WN, 8, 4, 4))
+        b_regs = (b0, b1, b2, b3)
+    for c in gl.static_range(C):
+        a = _with_tokens(a_regs[c], T, frag)
+        e = _with_tokens(_meta_register(meta, c, WK, WN).to(gl.int32), T, frag)
+        b = gl.convert_layout(b_regs[c], frag)
+        acc = gl.inline_asm_elementwise(_MMA_SP, _MMA_SP_CONSTRAINTS, [acc, a, b, e], dtype=gl.float32,
+                                        is_pure=True, pack=4)
+    return acc
+
+
+@gluon.jit
+def _times_row_scale(total, scale_ptr, rows, N):
+    return total * gl.load(scale_ptr + rows, mask=rows < N, other=0.0)[:, None]
+
+
+@gluon.jit
+def _unscaled(total, scale_ptr, rows, N):
+    return total
+
+
+@gluon.jit(do_not_specialize=["M"])
+def sparse24_sp_kernel(
+    x_ptr, words_ptr, meta_ptr, scale_ptr, out_ptr, acc_ptr, count_ptr,
+    M, N, stride_xm, stride_om, K: gl.constexpr,
+    BLOCK_N: gl.constexpr, WPT: gl.constexpr, MP: gl.constexpr, WK: gl.constexpr,
+    SPLIT_K: gl.constexpr, HAS_SCALE: gl.constexpr,
+):
+    """y[M, N] = x @ W^T (times scale[N]) for M <= MP (8 or 16), 16 rows per row warp
+    (BLOCK_N = 16 * num_warps / WK). words_ptr: the kept values as int32 [N, K/4]; meta_ptr: [N, K/8]
+    bytes read WPT/2 at a time (u8, u16, u32); x_ptr: x as int32 pairs, stride_xm in pairs. K a
+    multiple of SPLIT_K * WK * 16 * WPT."""
+    WN: gl.constexpr = gl.num_warps() // WK
+    T: gl.constexpr = MP // 8
+    STEP_K: gl.constexpr = 16 * WPT
+    K_CTA: gl.constexpr = K // SPLIT_K
+    STEPS: gl.constexpr = K_CTA // (WK * STEP_K)  # per warp
+    frag: gl.constexpr = _fragments(T, WN, WK)
+    w_layout: gl.constexpr = _rows_layout(2 * WPT, WN, WK)
+    m_layout: gl.constexpr = _rows_layout(8, WN, WK)
+    x_layout: gl.constexpr = _x_layout(T, 2 * WPT, WN, WK)
+
+    pid_n = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    k0 = pid_k * K_CTA
+    # words: thread (g, q) of row warp r: rows 16r + g (+ 8), stored words WPT*q .. of each step
+    kw, rw, g, q, v = _dims5(WK, WN, 8, 4, 2 * WPT, w_layout)
+    rows = gl.minimum(n0 + 16 * rw + g + 8 * (v // WPT), N - 1)
+    words_ptrs = words_ptr + k0 // 4 + kw * (4 * WPT) + rows * (K // 4) + WPT * q + v % WPT
+    # meta: the step's 4 elements (WPT/2 bytes each) of rows 16r + g and 16r + g + 8
+    km, rm, gm, qm, e = _dims5(WK, WN, 8, 4, 8, m_layout)
+    rows_m = gl.minimum(n0 + 16 * rm + gm + 8 * (e // 4), N - 1)
+    e = e % 4
+    shift = (4 * (qm % 2) + gl.zeros([WK, WN, 8, 4, 8], gl.int32, layout=m_layout)).to(gl.uint32)
+    if WPT == 8:
+        meta_base = meta_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
+    elif WPT == 4:
+        meta_base = meta_ptr.to(gl.pointer_type(gl.uint16), bitcast=True)
+    else:
+        meta_base = meta_ptr
+    meta_ptrs = meta_base + k0 // STEP_K * 4 + km * 4 + rows_m * (K // STEP_K * 4) + e
+    # x pairs: token 8t + g; B register i of MMA c is stored pair q%2 + 2(i//2) + 4c + 2WPT(q//2)
+    # + 4WPT(i%2) of the step
+    xk, _, xt, xg, xq, xv = _dims6(WK, 1, T, 8, 4, 2 * WPT, x_layout)
+    xi = xv % 4
+    pair = xq % 2 + 2 * (xi // 2) + 4 * (xv // 4) + 2 * WPT * (xq // 2) + 4 * WPT * (xi % 2)
+    tokens = gl.minimum(8 * xt + xg, M - 1)
+    x_ptrs = x_ptr + k0 // 2 + xk * (STEP_K // 2) + tokens * stride_xm + pair + gl.zeros(
+        [WK, WN, T, 8, 4, 2 * WPT], gl.int32, layout=x_layout)
+
+    acc = gl.zeros([WK, WN, T, 8, 4, 4], gl.float32, layout=frag)
+    # x two steps ahead, with the weights: 34.1 against 37.1 us at 28672 x 4096, M = 1 (H200)
+    acc = stream_steps(_mma_sp_step, words_ptrs, meta_ptrs, x_ptrs, shift, acc, STEPS, STEP_K // 2, WK,
+                       BLOCK_N, WPT, MP, X_AHEAD=True)
+    # registers (row8, token bit 0): acc -> [WK, rows, tokens]
+    acc = acc.reshape(WK, WN, T, 8, 4, 2, 2).permute(0, 1, 5, 3, 2, 4, 6).reshape(WK, BLOCK_N, MP)
+    if HAS_SCALE:
+        store_rows(_times_row_scale, acc, scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr,
+                   count_ptr, BLOCK_N, MP, SPLIT_K)
+    else:
+        store_rows(_unscaled, acc, scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr,
+                   count_ptr, BLOCK_N, MP, SPLIT_K)
+
+
+def unsupported(x, values, meta, cfg) -> str | None:
+    """Why the kernel cannot run this call with config ("sp", BM, BLOCK_N, WPT, SPLIT_K, num_warps,
+    WK), or None."""
+    _, _, bn, wpt, split_k, warps, wk = cfg
+    m, k = x.shape
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] != 9:
+        return "not sm_90"
+    if values.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
+        return "bf16 values and activations only"
+    if m > 16:
+        return "M > 16"  # (runs correctly to 16; sparse24.py offers it to M <= 8, where it is fast)
+    if k % (split_k * wk * 16 * wpt):
+        return f"K={k} not a multiple of {split_k * wk * 16 * wpt}"
+    if values.stride(0) != k // 2 or meta.stride(0) != k // 8 or values.stride(1) != 1 or meta.stride(1) != 1:
+        return "strided values/meta"
+    if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
+        return "x not read as 4-byte pairs (unit stride along K, even row stride, 4-byte aligned)"
+    if warps % wk or bn != 16 * (warps // wk):
+        return "BLOCK_N must be 16 rows per row warp"
+    return None
+
+
+def launch(x, values, meta, scale, cfg, out):
+    """out[M, N] = x @ W^T (times scale) with config cfg, which `unsupported` accepted."""
+    _, _, bn, wpt, split_k, warps, wk = cfg
+    m, k = x.shape
+    n = values.shape[0]
+    tiles = -(-n // bn)
+    acc, count = split_k_buffers(x.device, m * n, tiles) if split_k > 1 else (out, out)
+    words = values.view(torch.int32)
+    sparse24_sp_kernel[(tiles, split_k)](
+        x.view(torch.int32), words, meta, scale if scale is not None else words, out, acc, count, m, n,
+        x.stride(0) // 2, out.stride(0), K=k, BLOCK_N=bn, WPT=wpt, MP=8 if m <= 8 else 16, WK=wk,
+        SPLIT_K=split_k, HAS_SCALE=scale is not None, num_warps=warps)
+    return out
