@@ -246,21 +246,24 @@ def test_gpu_decode_kernel_all_configs(m, n, k):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
 def test_gpu_sparse_mma_kernel(m):
-    # Every "sp" candidate and other tilings, on N tails, K from one step per warp to 14336, with
-    # and without a per-row scale; outputs poisoned first. The metadata layout (two threads per
-    # quad, four groups of both rows each) is what these products check.
+    # The candidates of M's bucket at the Llama-3.1-8B shapes (an N tail on the first), other
+    # tilings on small N tails and K down to a few steps per warp, with and without a per-row
+    # scale; outputs poisoned first. The metadata layout (two threads per quad, four groups of
+    # both rows each) is what these products check.
     from engine.kernels import sparse24_sp_gluon as sp
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("sm_90 kernel")
-    cfgs = s24._SP + [("sp", 16, 32, 4, 1, 4, 2), ("sp", 16, 64, 2, 2, 8, 2), ("sp", 16, 16, 4, 4, 8, 8)]
-    for n, k in ((777, 4096), (1000, 1024), (48, 512), (4096, 14336)):
+    bucket = [c for c in s24._DECODE_CONFIGS[s24._m_bucket(m)] if c[0] == "sp"]
+    others = [("sp", 16, 64, 2, 2, 8, 2), ("sp", 16, 16, 4, 1, 8, 8), ("sp", 16, 256, 8, 1, 16, 1)]
+    cases = [(777, 4096, bucket, (None,)), (4096, 14336, bucket, (None,)),
+             (48, 512, others, (None, "scale")), (1000, 1024, others[:1] + bucket[:1], (None, "scale"))]
+    for n, k, cfgs, scales in cases:
         w, x = _gpu_case(m, n, k, 5 * m + n)
         t = s24.compress_24(w)
-        scale = torch.rand(n, device="cuda") + 0.5
         for cfg in cfgs:
-            if sp.unsupported(x, t.values, t.meta, cfg):
-                continue
-            for sc in (None, scale):
+            assert sp.unsupported(x, t.values, t.meta, cfg) is None, cfg
+            for sc in scales:
+                sc = None if sc is None else torch.rand(n, device="cuda") + 0.5
                 ref = fp64_ref(x, w if sc is None else w.double() * sc.double()[:, None])
                 out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
                 sp.launch(x, t.values, t.meta, sc, cfg, out)
@@ -270,9 +273,9 @@ def test_gpu_sparse_mma_kernel(m):
     # Through the dispatcher the candidates run the sparse kernel itself, not the fallback.
     w, x = _gpu_case(m, 1000, 1024, 3)
     t = s24.compress_24(w)
-    for cfg in s24._SP:
+    for cfg in s24._SP + s24._SP16:
         s24.sparse24_mm(x, t.values, t.meta, config=cfg)
-    assert not [key for key in s24.GLUON_SKIPPED if key[0] in s24._SP and key[1] == m], s24.GLUON_SKIPPED
+    assert not [key for key in s24.GLUON_SKIPPED if key[0][0] == "sp" and key[1] == m], s24.GLUON_SKIPPED
 
 
 @pytest.mark.gpu
@@ -371,13 +374,14 @@ def test_gluon_decode_kernel_compiles_for_sm90():
 def test_sparse_mma_kernel_compiles_for_sm90():
     # mma.sp on the stored words: per K step of 16 * WPT and 8-token tile WPT/2 sparse k32 MMAs,
     # no dense MMA (nor its expansion); the words load straight into the A registers as 16-byte
-    # vectors (WPT 4, 8), x as 4-byte pairs; no shared memory in the loop.
+    # vectors (WPT 4, 8), x as 16-byte vectors whose halves neighbouring lanes swap with shuffles;
+    # no shared memory in the loop.
     pytest.importorskip("triton.experimental.gluon.language.nvidia.ampere")
     from gluon_ptx import compile_sm90, ptx_loops
     from engine.kernels.sparse24_sp_gluon import sparse24_sp_kernel
     args = dict(x_ptr="*i32", words_ptr="*i32", meta_ptr="*u8", scale_ptr="*fp32", out_ptr="*bf16",
                 acc_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", stride_xm="i32", stride_om="i32")
-    for wpt, mp, wk, warps, split in ((4, 8, 2, 4, 1), (8, 16, 4, 4, 2), (2, 8, 1, 4, 1), (8, 8, 4, 8, 2)):
+    for wpt, mp, wk, warps, split in ((4, 8, 2, 4, 1), (8, 16, 4, 4, 2), (4, 16, 1, 8, 1), (8, 8, 4, 8, 2)):
         ptx = compile_sm90(sparse24_sp_kernel, args, dict(K=8192, BLOCK_N=16 * warps // wk, WPT=wpt, MP=mp,
                                                           WK=wk, SPLIT_K=split, HAS_SCALE=split == 2),
                            num_warps=warps)
@@ -386,9 +390,11 @@ def test_sparse_mma_kernel_compiles_for_sm90():
         body = loops[0]
         assert body.count("mma.sp.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32") == 2 * (wpt // 2) * (mp // 8)
         assert "mma.sync.aligned.m16n8k16" not in body
-        if wpt >= 4:  # 2 steps x 2 rows of words (+ the meta: 2 x 16 bytes per step at WPT 8)
-            assert body.count("ld.global.v4.b32") == 2 * 2 * wpt // 4 + (4 if wpt == 8 else 0)
-        assert body.count("ld.global.b32") >= 2 * 2 * wpt * (mp // 8)
+        # per step: 2 rows of WPT words, 8 * WPT bytes of x per token tile (+ the meta at WPT 8:
+        # 16 bytes per row)
+        per_step = 2 * wpt // 4 + (mp // 8) * wpt // 2 + (2 if wpt == 8 else 0)
+        assert body.count("ld.global.v4.b32") == 2 * per_step, wpt
+        assert body.count("shfl.sync.bfly.b32") == 2 * (mp // 8) * wpt
         assert "shared" not in body and "bar.sync" not in body
 
 

@@ -149,16 +149,19 @@ _GLUON = [("gluon", 16, 32, 4, 1, 4, 2), ("gluon", 16, 64, 4, 1, 8, 2), ("gluon"
           ("gluon", 16, 16, 8, 2, 4, 4), ("gluon", 16, 32, 4, 4, 4, 2), ("gluon", 16, 16, 4, 8, 4, 4)]
 _GLUON16 = [("gluon", 16, 32, 4, 1, 4, 2), ("gluon", 16, 32, 4, 4, 4, 2), ("gluon", 16, 32, 4, 4, 4, 2, True)]
 # "sp": engine/kernels/sparse24_sp_gluon.py, the sparse tensor cores (mma.sp) on the stored values
-# (sm_90, bf16, M <= 8 here), ("sp", BM, BLOCK_N = 16 rows per row warp, WPT, SPLIT_K, num_warps,
-# WK), skipped like "gluon". The fastest of an H200 sweep at M = 1: gate_up 34.1-35.1 us (32 x 2,
-# 64 x 1, 16 x 4 rows x K slices), down 19.6-20.1 us (split 1-4 with 4-8 K slices), against 37.2
-# and 21.9 for the best "gluon" in the same run.
-_SP = [("sp", 16, 32, 8, 1, 4, 2), ("sp", 16, 64, 8, 1, 4, 1), ("sp", 16, 16, 8, 1, 4, 4),
-       ("sp", 16, 16, 8, 1, 8, 8), ("sp", 16, 16, 8, 2, 4, 4), ("sp", 16, 32, 8, 4, 4, 2)]
+# (sm_90, bf16), ("sp", BM, BLOCK_N = 16 rows per row warp, WPT, SPLIT_K, num_warps, WK), skipped
+# like "gluon". The fastest of an H200 sweep (CUDA graphs, 3 weight copies) at M = 1 / 4 / 8:
+# gate_up 33.9 / 35.7 / 37.4 us (3.9 / 3.7 / 3.5 TB/s of compressed weight), down 19.4 / 19.9 /
+# 21.1 us, against 37.2 / 37.6 and 21.9 / 23.0 for the best "gluon" at M = 1 / 4. At M = 16 (two
+# token tiles, WPT 4) 46.3 and 25.2 us, level with "gluon" and "mma": all three join the timing.
+_SP = [("sp", 16, 128, 8, 1, 8, 1), ("sp", 16, 64, 8, 1, 4, 1), ("sp", 16, 32, 8, 1, 4, 2),
+       ("sp", 16, 128, 8, 8, 8, 1), ("sp", 16, 64, 8, 8, 4, 1), ("sp", 16, 16, 8, 1, 8, 8),
+       ("sp", 16, 64, 8, 4, 8, 2)]
+_SP16 = [("sp", 16, 32, 4, 1, 4, 2), ("sp", 16, 128, 4, 8, 8, 1), ("sp", 16, 16, 4, 1, 8, 8)]
 _DECODE_CONFIGS = {
     1: _MMA + [("fma", 1, 32, 256, 1, 4, 1), ("fma", 1, 16, 256, 2, 4, 1)] + _GLUON + _SP,
     4: _MMA + [("fma", 4, 32, 256, 1, 4, 1)] + _GLUON + _SP,
-    16: _MMA + [("wtile", 16, 64, 256, 2, 4, 3)] + _GLUON16,
+    16: _MMA + [("wtile", 16, 64, 256, 2, 4, 3)] + _GLUON16 + _SP16,
     32: [("mma", 32, 128, 256, 1, 4, 3, 8, 16), ("mma", 32, 128, 128, 8, 4, 4, 8, 16),
          ("mma", 32, 64, 256, 4, 4, 3, 4, 16), ("wtile", 32, 64, 256, 1, 4, 3), ("xsplit", 32, 32, 256, 1, 4, 3)],
     64: [("wtile", 64, 128, 128, 1, 8, 3), ("wtile", 64, 64, 128, 1, 4, 3), ("xsplit", 64, 64, 128, 1, 4, 3),

@@ -21,18 +21,20 @@ K order. A K step is 4 * WPT groups of a row (16 * WPT K); thread q loads WPT co
 words (16 bytes at WPT = 4) of rows g and g + 8, so the WPT/2 k32 MMAs of the step must read their
 logical groups q and q + 4 from those words: MMA c takes stored group WPT * (j % 4) + 2c + j // 4
 as its logical group j. x is read in the same order (a permutation of K applied to both operands
-leaves the product unchanged); a thread's B pairs are then 4-byte pieces (two threads share each
-stored group of x), loaded as such, two steps ahead like the weights. The metadata registers are
-assembled from the stored nibbles of the step (2 * WPT bytes per row, rows g and g + 8 loaded by
-every thread of the quad): byte (WPT/2) * m + c holds logical groups m (low nibble) and m + 4
-(high) of MMA c.
+leaves the product unchanged). A thread's B pairs are then half of each of 2 * WPT stored groups of
+x, the other halves belonging to its neighbour lane: each lane loads one run of 2 * WPT whole pairs
+as 16-byte vectors, and neighbouring lanes swap halves (shfl.bfly; 4-byte loads of the pairs
+instead took 87 against 46 us at 16 tokens). x is loaded two steps ahead, like the weights. The
+metadata registers are assembled from the stored nibbles of the step (2 * WPT bytes per row, rows
+g and g + 8 loaded by every thread of the quad): byte (WPT/2) * m + c holds logical groups m (low
+nibble) and m + 4 (high) of MMA c.
 
-Measured (H200, CUDA-graph medians over 3 weight copies, against the best configuration of the
-`prmt` kernel in the same run): M = 1, gate_up 28672 x 4096 34.1 against 37.2 us (3.9 TB/s of
-compressed weight), down 4096 x 14336 19.6 against 21.9 us. About 40% fewer instructions per K
-step (no expansion, half the MMAs). Not at 9..16 tokens: the B pairs are 4-byte loads per token
-tile, 16 per thread and K step, and the kernel took 87 us against 45 for gate_up at M = 16, so
-sparse24.py offers it for M <= 8 only.
+Measured (H200, CUDA-graph medians over 3 weight copies; the `prmt` kernel's best configuration in
+the same run): gate_up 28672 x 4096 at M = 1 / 4 / 8 / 16: 33.9 / 35.7 / 37.4 / 46.3 us (3.9 TB/s
+of compressed weight at M = 1) against 37.2 / 37.6 / - / 44.7; down 4096 x 14336: 19.4 / 19.9 /
+21.1 / 25.2 us against 22.1 / 23.0 / - / 26.6. About 40% fewer instructions per K step than the
+`prmt` kernel (no expansion, half the MMAs). At 16 tokens (two token tiles) it is no faster than
+the others, whatever the row tile (32 to 256 rows per program measured).
 
 Work split as in the other Gluon decode kernels (engine/kernels/nvfp4_decode_gluon.py, whose K loop
 `stream_steps` and epilogue `store_rows` this kernel runs): num_warps / WK warps split the rows,
@@ -145,6 +147,12 @@ def _mma_sp_step(words, meta, aux, x, acc, WK: gl.constexpr, BLOCK_N: gl.constex
     WN: gl.constexpr = BLOCK_N // 16
     frag: gl.constexpr = acc.type.layout
     C: gl.constexpr = WPT // 2
+    # x as loaded: lane (q1, i0) holds the pairs (c, i1, q0) of its run; swap q0 (a register bit)
+    # and i0 (lane bit 0) between neighbouring lanes (shfl.bfly), then B register i of MMA c is
+    # element 4c + i of the thread's
+    x_layout: gl.constexpr = x.type.layout
+    x = x.reshape(WK, WN, T, 8, 2, 2, C, 2, 2).permute(0, 1, 2, 3, 4, 8, 6, 7, 5)
+    x = gl.convert_layout(x.reshape(WK, WN, T, 8, 4, 2 * WPT), x_layout)
     # words: (row8, c, wb) -> A register 2 * wb + row8 of MMA c
     w = words.reshape(WK, WN, 8, 4, 2, C, 2).permute(0, 1, 2, 3, 6, 4, 5)
     xb = x.reshape(WK, WN, T, 8, 4, C, 4).permute(0, 1, 2, 3, 4, 6, 5)
@@ -227,11 +235,11 @@ def sparse24_sp_kernel(
     else:
         meta_base = meta_ptr
     meta_ptrs = meta_base + k0 // STEP_K * 4 + km * 4 + rows_m * (K // STEP_K * 4) + e
-    # x pairs: token 8t + g; B register i of MMA c is stored pair q%2 + 2(i//2) + 4c + 2WPT(q//2)
-    # + 4WPT(i%2) of the step
+    # x pairs of token 8t + g. B register i of MMA c needs stored pair q%2 + 2(i//2) + 4c
+    # + 2WPT(q//2) + 4WPT(i%2) of the step: the step is 4 runs of 2 * WPT pairs, run (i%2, q//2);
+    # lane q loads run 2 (q % 2) + q // 2 whole (16-byte vectors) and _mma_sp_step swaps halves
     xk, _, xt, xg, xq, xv = _dims6(WK, 1, T, 8, 4, 2 * WPT, x_layout)
-    xi = xv % 4
-    pair = xq % 2 + 2 * (xi // 2) + 4 * (xv // 4) + 2 * WPT * (xq // 2) + 4 * WPT * (xi % 2)
+    pair = xv + 2 * WPT * (2 * (xq % 2) + xq // 2)
     tokens = gl.minimum(8 * xt + xg, M - 1)
     x_ptrs = x_ptr + k0 // 2 + xk * (STEP_K // 2) + tokens * stride_xm + pair + gl.zeros(
         [WK, WN, T, 8, 4, 2 * WPT], gl.int32, layout=x_layout)
@@ -260,13 +268,13 @@ def unsupported(x, values, meta, cfg) -> str | None:
     if values.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
         return "bf16 values and activations only"
     if m > 16:
-        return "M > 16"  # (runs correctly to 16; sparse24.py offers it to M <= 8, where it is fast)
+        return "M > 16"
     if k % (split_k * wk * 16 * wpt):
         return f"K={k} not a multiple of {split_k * wk * 16 * wpt}"
     if values.stride(0) != k // 2 or meta.stride(0) != k // 8 or values.stride(1) != 1 or meta.stride(1) != 1:
         return "strided values/meta"
-    if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
-        return "x not read as 4-byte pairs (unit stride along K, even row stride, 4-byte aligned)"
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        return "x not read as 16-byte vectors (unit stride along K, rows 16-byte aligned)"
     if warps % wk or bn != 16 * (warps // wk):
         return "BLOCK_N must be 16 rows per row warp"
     return None
