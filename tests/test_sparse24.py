@@ -381,18 +381,20 @@ def test_sparse_mma_kernel_compiles_for_sm90():
     from engine.kernels.sparse24_sp_gluon import sparse24_sp_kernel
     args = dict(x_ptr="*i32", words_ptr="*i32", meta_ptr="*u8", scale_ptr="*fp32", out_ptr="*bf16",
                 acc_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", stride_xm="i32", stride_om="i32")
-    for wpt, mp, wk, warps, split in ((4, 8, 2, 4, 1), (8, 16, 4, 4, 2), (4, 16, 1, 8, 1), (8, 8, 4, 8, 2)):
-        ptx = compile_sm90(sparse24_sp_kernel, args, dict(K=8192, BLOCK_N=16 * warps // wk, WPT=wpt, MP=mp,
+    for wpt, mp, wk, warps, split, rb in ((4, 8, 2, 4, 1, 1), (8, 16, 4, 4, 2, 1), (4, 16, 1, 8, 1, 1),
+                                          (8, 8, 4, 8, 2, 1), (4, 16, 2, 4, 1, 4)):
+        ptx = compile_sm90(sparse24_sp_kernel, args, dict(K=8192, BLOCK_N=16 * rb * warps // wk, WPT=wpt, MP=mp,
                                                           WK=wk, SPLIT_K=split, HAS_SCALE=split == 2),
                            num_warps=warps)
         loops = ptx_loops(ptx)
         assert len(loops) == 1
         body = loops[0]
-        assert body.count("mma.sp.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32") == 2 * (wpt // 2) * (mp // 8)
+        # 2 steps; RB row blocks per warp share the x registers
+        assert body.count("mma.sp.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32") == 2 * (wpt // 2) * (mp // 8) * rb
         assert "mma.sync.aligned.m16n8k16" not in body
-        # per step: 2 rows of WPT words, 8 * WPT bytes of x per token tile (+ the meta at WPT 8:
-        # 16 bytes per row)
-        per_step = 2 * wpt // 4 + (mp // 8) * wpt // 2 + (2 if wpt == 8 else 0)
+        # per step: 2 rows of WPT words per row block, 8 * WPT bytes of x per token tile (+ the meta
+        # at WPT 8: 16 bytes per row)
+        per_step = rb * (2 * wpt // 4 + (2 if wpt == 8 else 0)) + (mp // 8) * wpt // 2
         assert body.count("ld.global.v4.b32") == 2 * per_step, wpt
         assert body.count("shfl.sync.bfly.b32") == 2 * (mp // 8) * wpt
         assert "shared" not in body and "bar.sync" not in body

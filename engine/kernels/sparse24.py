@@ -149,15 +149,16 @@ _GLUON = [("gluon", 16, 32, 4, 1, 4, 2), ("gluon", 16, 64, 4, 1, 8, 2), ("gluon"
           ("gluon", 16, 16, 8, 2, 4, 4), ("gluon", 16, 32, 4, 4, 4, 2), ("gluon", 16, 16, 4, 8, 4, 4)]
 _GLUON16 = [("gluon", 16, 32, 4, 1, 4, 2), ("gluon", 16, 32, 4, 4, 4, 2), ("gluon", 16, 32, 4, 4, 4, 2, True)]
 # "sp": engine/kernels/sparse24_sp_gluon.py, the sparse tensor cores (mma.sp) on the stored values
-# (sm_90, bf16), ("sp", BM, BLOCK_N = 16 rows per row warp, WPT, SPLIT_K, num_warps, WK), skipped
-# like "gluon". The fastest of an H200 sweep (CUDA graphs, 3 weight copies) at M = 1 / 4 / 8:
-# gate_up 33.9 / 35.7 / 37.4 us (3.9 / 3.7 / 3.5 TB/s of compressed weight), down 19.4 / 19.9 /
-# 21.1 us, against 37.2 / 37.6 and 21.9 / 23.0 for the best "gluon" at M = 1 / 4. At M = 16 (two
-# token tiles, WPT 4) 46.3 and 25.2 us, level with "gluon" and "mma": all three join the timing.
+# (sm_90, bf16), ("sp", BM, BLOCK_N = 16 * RB rows per row warp, WPT, SPLIT_K, num_warps, WK),
+# skipped like "gluon". The fastest of H200 sweeps (CUDA graphs, 3 weight copies) at M = 1 / 4 / 8
+# / 16: gate_up 33.9 / 35.7 / 36.5 / 42.2 us (3.9 TB/s of compressed weight at M = 1; at 16 tokens
+# with 4 row blocks per warp, which reuse x), down 19.4 / 19.9 / 21.2 / 25.2 us; the best "gluon" in
+# the same runs: 37.2 / 37.6 / - / 44.7 and 22.1 / 23.0 / - / 26.6.
 _SP = [("sp", 16, 128, 8, 1, 8, 1), ("sp", 16, 64, 8, 1, 4, 1), ("sp", 16, 32, 8, 1, 4, 2),
-       ("sp", 16, 128, 8, 8, 8, 1), ("sp", 16, 64, 8, 8, 4, 1), ("sp", 16, 16, 8, 1, 8, 8),
-       ("sp", 16, 64, 8, 4, 8, 2)]
-_SP16 = [("sp", 16, 32, 4, 1, 4, 2), ("sp", 16, 128, 4, 8, 8, 1), ("sp", 16, 16, 4, 1, 8, 8)]
+       ("sp", 16, 128, 8, 1, 4, 1), ("sp", 16, 128, 8, 8, 8, 1), ("sp", 16, 64, 8, 8, 4, 1),
+       ("sp", 16, 16, 8, 1, 8, 8), ("sp", 16, 64, 8, 4, 8, 2)]
+_SP16 = [("sp", 16, 128, 4, 1, 4, 2), ("sp", 16, 32, 4, 1, 4, 2), ("sp", 16, 64, 4, 8, 4, 1),
+         ("sp", 16, 16, 4, 1, 8, 8)]
 _DECODE_CONFIGS = {
     1: _MMA + [("fma", 1, 32, 256, 1, 4, 1), ("fma", 1, 16, 256, 2, 4, 1)] + _GLUON + _SP,
     4: _MMA + [("fma", 4, 32, 256, 1, 4, 1)] + _GLUON + _SP,

@@ -30,15 +30,16 @@ g and g + 8 loaded by every thread of the quad): byte (WPT/2) * m + c holds logi
 nibble) and m + 4 (high) of MMA c.
 
 Measured (H200, CUDA-graph medians over 3 weight copies; the `prmt` kernel's best configuration in
-the same run): gate_up 28672 x 4096 at M = 1 / 4 / 8 / 16: 33.9 / 35.7 / 37.4 / 46.3 us (3.9 TB/s
+the same runs): gate_up 28672 x 4096 at M = 1 / 4 / 8 / 16: 33.9 / 35.7 / 36.5 / 42.2 us (3.9 TB/s
 of compressed weight at M = 1) against 37.2 / 37.6 / - / 44.7; down 4096 x 14336: 19.4 / 19.9 /
-21.1 / 25.2 us against 22.1 / 23.0 / - / 26.6. About 40% fewer instructions per K step than the
-`prmt` kernel (no expansion, half the MMAs). At 16 tokens (two token tiles) it is no faster than
-the others, whatever the row tile (32 to 256 rows per program measured).
+21.2 / 25.2 us against 22.1 / 23.0 / - / 26.6. About 40% fewer instructions per K step than the
+`prmt` kernel (no expansion, half the MMAs). At 16 tokens the x traffic through L1 limits (ncu:
+L1 82% busy, DRAM 61%, at 16 rows per warp): RB row blocks per warp reuse the x registers, 4 of
+them took gate_up from 46.9 to 42.2 us.
 
 Work split as in the other Gluon decode kernels (engine/kernels/nvfp4_decode_gluon.py, whose K loop
 `stream_steps` and epilogue `store_rows` this kernel runs): num_warps / WK warps split the rows,
-16 each, WK warps split K step by step, SPLIT_K programs split K in one launch; two K steps in
+16 * RB each, WK warps split K step by step, SPLIT_K programs split K in one launch; two K steps in
 flight per warp; rows past N and tokens past M re-read the last one, so the loop has no masks.
 """
 from __future__ import annotations
@@ -57,22 +58,24 @@ _MMA_SP_CONSTRAINTS = gl.constexpr(",".join(["=f"] * 4 + ["f"] * 4 + ["r"] * 12)
 
 
 @gluon.constexpr_function
-def _fragments(t: int, wn: int, wk: int):
-    """[WK, WN, T, 8 (g), 4 (q), 4 (register)] : one MMA's operands per thread, register-last."""
-    return gl.BlockedLayout(size_per_thread=[1, 1, t, 1, 1, 4], threads_per_warp=[1, 1, 1, 8, 4, 1],
+def _fragments(t: int, rb: int, wn: int, wk: int):
+    """[WK, NB (16-row blocks: RB per warp), T, 8 (g), 4 (q), 4 (register)]: one MMA's operands per
+    thread, register-last."""
+    return gl.BlockedLayout(size_per_thread=[1, rb, t, 1, 1, 4], threads_per_warp=[1, 1, 1, 8, 4, 1],
                             warps_per_cta=[wk, wn, 1, 1, 1, 1], order=[5, 4, 3, 2, 1, 0])
 
 
 @gluon.constexpr_function
-def _rows_layout(width: int, wn: int, wk: int):
-    """[WK, WN, 8 (g), 4 (q), width]: a thread's `width` contiguous elements of its rows."""
-    return gl.BlockedLayout(size_per_thread=[1, 1, 1, 1, width], threads_per_warp=[1, 1, 8, 4, 1],
+def _rows_layout(width: int, rb: int, wn: int, wk: int):
+    """[WK, NB, 8 (g), 4 (q), width]: a thread's `width` contiguous elements of its rows."""
+    return gl.BlockedLayout(size_per_thread=[1, rb, 1, 1, width], threads_per_warp=[1, 1, 8, 4, 1],
                             warps_per_cta=[wk, wn, 1, 1, 1], order=[4, 3, 2, 1, 0])
 
 
 @gluon.constexpr_function
 def _x_layout(t: int, width: int, wn: int, wk: int):
-    """[WK, WN, T, 8 (g), 4 (q), width]: a thread's x pairs for its token(s) and step."""
+    """[WK, 1, T, 8 (g), 4 (q), width]: a thread's x pairs for its token(s) and step (every warp
+    loads them: the size-1 dimension broadcasts over its row blocks)."""
     return gl.BlockedLayout(size_per_thread=[1, 1, t, 1, 1, width], threads_per_warp=[1, 1, 1, 8, 4, 1],
                             warps_per_cta=[wk, wn, 1, 1, 1, 1], order=[5, 4, 3, 2, 1, 0])
 
@@ -109,7 +112,7 @@ def _dims6(n0: gl.constexpr, n1: gl.constexpr, n2: gl.constexpr, n3: gl.constexp
 
 @gluon.jit
 def _with_tokens(v, T: gl.constexpr, layout: gl.constexpr):
-    """[WK, WN, 8, 4, 4] -> [WK, WN, T, 8, 4, 4] in the fragment layout, repeated over the token
+    """[WK, NB, 8, 4, 4] -> [WK, NB, T, 8, 4, 4] in the fragment layout, repeated over the token
     tiles (registers only)."""
     if T == 2:
         v = gl.join(v, v).permute(0, 1, 5, 2, 3, 4)
@@ -119,13 +122,13 @@ def _with_tokens(v, T: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _meta_register(meta, c: gl.constexpr, WK: gl.constexpr, WN: gl.constexpr):
+def _meta_register(meta, c: gl.constexpr, WK: gl.constexpr, NB: gl.constexpr):
     """The metadata register of MMA c, repeated in the 4 registers of the fragment: meta
-    [WK, WN, 8, 4, 8] holds rows g and g + 8 of the step (4 elements of WPT/2 bytes each), shifted
+    [WK, NB, 8, 4, 8] holds rows g and g + 8 of the step (4 elements of WPT/2 bytes each), shifted
     right by 4 (q % 2); nibble q % 2 of byte c of element m is logical group 4 (q % 2) + m. Out:
     bits 0..15 row g, 16..31 row g + 8, a nibble per group."""
     m = (meta >> (8 * c)) & 0xF
-    m = m.reshape(WK, WN, 8, 4, 2, 2, 2)
+    m = m.reshape(WK, NB, 8, 4, 2, 2, 2)
     a, b = gl.split(m)          # element bit 0
     a0, a1 = gl.split(a)        # element bit 1: a0 = e0, a1 = e2
     b0, b1 = gl.split(b)        # b0 = e1, b1 = e3
@@ -133,51 +136,52 @@ def _meta_register(meta, c: gl.constexpr, WK: gl.constexpr, WN: gl.constexpr):
     r0, r1 = gl.split(r)
     v = r0 | (r1 << 16)
     v = gl.join(v, v)
-    return gl.join(v, v).reshape(WK, WN, 8, 4, 4)
+    return gl.join(v, v).reshape(WK, NB, 8, 4, 4)
 
 
 @gluon.jit
 def _mma_sp_step(words, meta, aux, x, acc, WK: gl.constexpr, BLOCK_N: gl.constexpr,
                  WPT: gl.constexpr, MP: gl.constexpr):
     """acc += W_step @ x_step^T for one K step (WPT / 2 sparse MMAs per 16 rows and 8 tokens).
-    words [WK, WN, 8, 4, 2 * WPT] (row g then g + 8, WPT words each), meta [WK, WN, 8, 4, 8] (rows
-    g, g + 8: their 4 elements of the step), aux: the metadata shift 4 (q % 2) in meta's layout,
-    x [WK, WN, T, 8, 4, 2 * WPT] int32 pairs (index 4c + i: B register i of MMA c)."""
+    words [WK, NB, 8, 4, 2 * WPT] (row g then g + 8 of each 16-row block, WPT words each), meta
+    [WK, NB, 8, 4, 8] (rows g, g + 8: their 4 elements of the step), aux: the metadata shift
+    4 (q % 2) in meta's layout, x [WK, 1, T, 8, 4, 2 * WPT] int32 pairs (used for every row block
+    of the warp)."""
     T: gl.constexpr = MP // 8
-    WN: gl.constexpr = BLOCK_N // 16
+    NB: gl.constexpr = BLOCK_N // 16
     frag: gl.constexpr = acc.type.layout
     C: gl.constexpr = WPT // 2
     # x as loaded: lane (q1, i0) holds the pairs (c, i1, q0) of its run; swap q0 (a register bit)
     # and i0 (lane bit 0) between neighbouring lanes (shfl.bfly), then B register i of MMA c is
     # element 4c + i of the thread's
     x_layout: gl.constexpr = x.type.layout
-    x = x.reshape(WK, WN, T, 8, 2, 2, C, 2, 2).permute(0, 1, 2, 3, 4, 8, 6, 7, 5)
-    x = gl.convert_layout(x.reshape(WK, WN, T, 8, 4, 2 * WPT), x_layout)
+    x = x.reshape(WK, 1, T, 8, 2, 2, C, 2, 2).permute(0, 1, 2, 3, 4, 8, 6, 7, 5)
+    x = gl.convert_layout(x.reshape(WK, 1, T, 8, 4, 2 * WPT), x_layout)
     # words: (row8, c, wb) -> A register 2 * wb + row8 of MMA c
-    w = words.reshape(WK, WN, 8, 4, 2, C, 2).permute(0, 1, 2, 3, 6, 4, 5)
-    xb = x.reshape(WK, WN, T, 8, 4, C, 4).permute(0, 1, 2, 3, 4, 6, 5)
+    w = words.reshape(WK, NB, 8, 4, 2, C, 2).permute(0, 1, 2, 3, 6, 4, 5)
+    xb = x.reshape(WK, 1, T, 8, 4, C, 4).permute(0, 1, 2, 3, 4, 6, 5)
     meta = meta.to(gl.uint32) >> aux
     if C == 1:
-        a_regs = (w.reshape(WK, WN, 8, 4, 4),)
-        b_regs = (xb.reshape(WK, WN, T, 8, 4, 4),)
+        a_regs = (w.reshape(WK, NB, 8, 4, 4),)
+        b_regs = (xb.reshape(WK, 1, T, 8, 4, 4),)
     elif C == 2:
         a0, a1 = gl.split(w)
         b0, b1 = gl.split(xb)
-        a_regs = (a0.reshape(WK, WN, 8, 4, 4), a1.reshape(WK, WN, 8, 4, 4))
+        a_regs = (a0.reshape(WK, NB, 8, 4, 4), a1.reshape(WK, NB, 8, 4, 4))
         b_regs = (b0, b1)
     else:
-        wl, wh = gl.split(w.reshape(WK, WN, 8, 4, 2, 2, 2, 2))
+        wl, wh = gl.split(w.reshape(WK, NB, 8, 4, 2, 2, 2, 2))
         a0, a2 = gl.split(wl)
         a1, a3 = gl.split(wh)
-        xl, xh = gl.split(xb.reshape(WK, WN, T, 8, 4, 4, 2, 2))
+        xl, xh = gl.split(xb.reshape(WK, 1, T, 8, 4, 4, 2, 2))
         b0, b2 = gl.split(xl)
         b1, b3 = gl.split(xh)
-        a_regs = (a0.reshape(WK, WN, 8, 4, 4), a1.reshape(WK, WN, 8, 4, 4),
-                  a2.reshape(WK, WN, 8, 4, 4), a3.reshape(WK, WN, 8, 4, 4))
+        a_regs = (a0.reshape(WK, NB, 8, 4, 4), a1.reshape(WK, NB, 8, 4, 4),
+                  a2.reshape(WK, NB, 8, 4, 4), a3.reshape(WK, NB, 8, 4, 4))
         b_regs = (b0, b1, b2, b3)
     for c in gl.static_range(C):
         a = _with_tokens(a_regs[c], T, frag)
-        e = _with_tokens(_meta_register(meta, c, WK, WN).to(gl.int32), T, frag)
+        e = _with_tokens(_meta_register(meta, c, WK, NB).to(gl.int32), T, frag)
         b = gl.convert_layout(b_regs[c], frag)
         acc = gl.inline_asm_elementwise(_MMA_SP, _MMA_SP_CONSTRAINTS, [acc, a, b, e], dtype=gl.float32,
                                         is_pure=True, pack=4)
@@ -201,33 +205,35 @@ def sparse24_sp_kernel(
     BLOCK_N: gl.constexpr, WPT: gl.constexpr, MP: gl.constexpr, WK: gl.constexpr,
     SPLIT_K: gl.constexpr, HAS_SCALE: gl.constexpr,
 ):
-    """y[M, N] = x @ W^T (times scale[N]) for M <= MP (8 or 16), 16 rows per row warp
-    (BLOCK_N = 16 * num_warps / WK). words_ptr: the kept values as int32 [N, K/4]; meta_ptr: [N, K/8]
+    """y[M, N] = x @ W^T (times scale[N]) for M <= MP (8 or 16); BLOCK_N = 16 * RB * num_warps / WK
+    (RB blocks of 16 rows per row warp, which reuse its x registers). words_ptr: the kept values as int32 [N, K/4]; meta_ptr: [N, K/8]
     bytes read WPT/2 at a time (u8, u16, u32); x_ptr: x as int32 pairs, stride_xm in pairs. K a
     multiple of SPLIT_K * WK * 16 * WPT."""
     WN: gl.constexpr = gl.num_warps() // WK
+    NB: gl.constexpr = BLOCK_N // 16
+    RB: gl.constexpr = NB // WN
     T: gl.constexpr = MP // 8
     STEP_K: gl.constexpr = 16 * WPT
     K_CTA: gl.constexpr = K // SPLIT_K
     STEPS: gl.constexpr = K_CTA // (WK * STEP_K)  # per warp
-    frag: gl.constexpr = _fragments(T, WN, WK)
-    w_layout: gl.constexpr = _rows_layout(2 * WPT, WN, WK)
-    m_layout: gl.constexpr = _rows_layout(8, WN, WK)
+    frag: gl.constexpr = _fragments(T, RB, WN, WK)
+    w_layout: gl.constexpr = _rows_layout(2 * WPT, RB, WN, WK)
+    m_layout: gl.constexpr = _rows_layout(8, RB, WN, WK)
     x_layout: gl.constexpr = _x_layout(T, 2 * WPT, WN, WK)
 
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
     n0 = pid_n * BLOCK_N
     k0 = pid_k * K_CTA
-    # words: thread (g, q) of row warp r: rows 16r + g (+ 8), stored words WPT*q .. of each step
-    kw, rw, g, q, v = _dims5(WK, WN, 8, 4, 2 * WPT, w_layout)
+    # words: thread (g, q), row block b: rows 16b + g (+ 8), stored words WPT*q .. of each step
+    kw, rw, g, q, v = _dims5(WK, NB, 8, 4, 2 * WPT, w_layout)
     rows = gl.minimum(n0 + 16 * rw + g + 8 * (v // WPT), N - 1)
     words_ptrs = words_ptr + k0 // 4 + kw * (4 * WPT) + rows * (K // 4) + WPT * q + v % WPT
-    # meta: the step's 4 elements (WPT/2 bytes each) of rows 16r + g and 16r + g + 8
-    km, rm, gm, qm, e = _dims5(WK, WN, 8, 4, 8, m_layout)
+    # meta: the step's 4 elements (WPT/2 bytes each) of rows 16b + g and 16b + g + 8
+    km, rm, gm, qm, e = _dims5(WK, NB, 8, 4, 8, m_layout)
     rows_m = gl.minimum(n0 + 16 * rm + gm + 8 * (e // 4), N - 1)
     e = e % 4
-    shift = (4 * (qm % 2) + gl.zeros([WK, WN, 8, 4, 8], gl.int32, layout=m_layout)).to(gl.uint32)
+    shift = (4 * (qm % 2) + gl.zeros([WK, NB, 8, 4, 8], gl.int32, layout=m_layout)).to(gl.uint32)
     if WPT == 8:
         meta_base = meta_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
     elif WPT == 4:
@@ -242,14 +248,14 @@ def sparse24_sp_kernel(
     pair = xv + 2 * WPT * (2 * (xq % 2) + xq // 2)
     tokens = gl.minimum(8 * xt + xg, M - 1)
     x_ptrs = x_ptr + k0 // 2 + xk * (STEP_K // 2) + tokens * stride_xm + pair + gl.zeros(
-        [WK, WN, T, 8, 4, 2 * WPT], gl.int32, layout=x_layout)
+        [WK, 1, T, 8, 4, 2 * WPT], gl.int32, layout=x_layout)
 
-    acc = gl.zeros([WK, WN, T, 8, 4, 4], gl.float32, layout=frag)
+    acc = gl.zeros([WK, NB, T, 8, 4, 4], gl.float32, layout=frag)
     # x two steps ahead, with the weights: 34.1 against 37.1 us at 28672 x 4096, M = 1 (H200)
     acc = stream_steps(_mma_sp_step, words_ptrs, meta_ptrs, x_ptrs, shift, acc, STEPS, STEP_K // 2, WK,
                        BLOCK_N, WPT, MP, X_AHEAD=True)
     # registers (row8, token bit 0): acc -> [WK, rows, tokens]
-    acc = acc.reshape(WK, WN, T, 8, 4, 2, 2).permute(0, 1, 5, 3, 2, 4, 6).reshape(WK, BLOCK_N, MP)
+    acc = acc.reshape(WK, NB, T, 8, 4, 2, 2).permute(0, 1, 5, 3, 2, 4, 6).reshape(WK, BLOCK_N, MP)
     if HAS_SCALE:
         store_rows(_times_row_scale, acc, scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr,
                    count_ptr, BLOCK_N, MP, SPLIT_K)
@@ -275,8 +281,9 @@ def unsupported(x, values, meta, cfg) -> str | None:
         return "strided values/meta"
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         return "x not read as 16-byte vectors (unit stride along K, rows 16-byte aligned)"
-    if warps % wk or bn != 16 * (warps // wk):
-        return "BLOCK_N must be 16 rows per row warp"
+    rb = bn // (16 * (warps // wk)) if warps % wk == 0 else 0
+    if warps % wk or bn != 16 * rb * (warps // wk) or rb & (rb - 1):
+        return "BLOCK_N must be 16 * RB rows per row warp, RB a power of 2"
     return None
 
 
