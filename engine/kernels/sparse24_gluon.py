@@ -20,7 +20,8 @@ config of sparse24._DECODE_CONFIGS): gate_up 28672 x 4096 at M = 1 / 4 / 16: 36.
 21.7 / 22.4 / 28.6 us against 23.5 / 23.7 / 24.0 us. Slower at M = 16 for the reason
 nvfp4_decode_gluon gives: each warp loads its own x fragment. WPT = 8 was not faster (40.5 us
 gate_up, 23.1 us down at M = 1). engine/kernels/sparse24_sp_gluon.py, which hands the stored values to
-the sparse tensor cores instead of expanding them, is faster at M <= 8; both stay timed candidates.
+the sparse tensor cores instead of expanding them, is faster at M <= 8 and level at 16; both stay
+timed candidates.
 """
 from __future__ import annotations
 
