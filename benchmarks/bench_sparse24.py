@@ -236,7 +236,6 @@ def steady(res, w, gen, ms):
         out[m] = t
         print(f"| {m} | {t['dense bf16']:.1f} | {t['2:4 bf16']:.1f} | {t['dense bf16'] / t['2:4 bf16']:.2f} | "
               f"{t['fp8 dense']:.1f} | {t['2:4+fp8']:.1f} | {t['dense bf16'] / t['2:4+fp8']:.2f} |", flush=True)
-    print("Decode-kernel configs chosen:", {str(k): v for k, v in s24._TUNED.items() if k[0] <= 16})
 
 
 def fmt(t):

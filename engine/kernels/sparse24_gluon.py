@@ -99,6 +99,18 @@ def _unscaled(total, scale_ptr, rows, N):
     return total
 
 
+@gluon.jit
+def store_rows_scaled(acc, HAS_SCALE: gl.constexpr, scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr,
+                      count_ptr, BLOCK_N: gl.constexpr, MP: gl.constexpr, SPLIT_K: gl.constexpr):
+    """store_rows of both 2:4 kernels: times scale[N] when HAS_SCALE (fp8-style per-row scales)."""
+    if HAS_SCALE:
+        store_rows(_times_row_scale, acc, scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr,
+                   count_ptr, BLOCK_N, MP, SPLIT_K)
+    else:
+        store_rows(_unscaled, acc, scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr,
+                   count_ptr, BLOCK_N, MP, SPLIT_K)
+
+
 @gluon.jit(do_not_specialize=["M"])
 def sparse24_decode_kernel(
     x_ptr, words_ptr, meta_ptr, scale_ptr, out_ptr, acc_ptr, count_ptr,
@@ -129,19 +141,12 @@ def sparse24_decode_kernel(
     acc = gl.zeros([WK, BLOCK_N, MP], gl.float32, layout=mma)
     acc = stream_steps(_mma_step, words_ptrs, meta_ptrs, x_ptrs, shift, acc, STEPS, STEP_K, WK, BLOCK_N,
                        WPT, MP, X_AHEAD)
-
-    if HAS_SCALE:
-        store_rows(_times_row_scale, acc, scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr,
-                   count_ptr, BLOCK_N, MP, SPLIT_K)
-    else:
-        store_rows(_unscaled, acc, scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr,
-                   count_ptr, BLOCK_N, MP, SPLIT_K)
+    store_rows_scaled(acc, HAS_SCALE, scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr, count_ptr,
+                      BLOCK_N, MP, SPLIT_K)
 
 
-def unsupported(x, values, meta, cfg) -> str | None:
-    """Why the Gluon kernel cannot run this call with config ("gluon", BM, BLOCK_N, WPT, SPLIT_K,
-    num_warps, WK), or None."""
-    _, _, bn, wpt, split_k, warps, wk = cfg[:7]
+def unsupported_common(x, values, meta, wpt, split_k, wk) -> str | None:
+    """Why neither Gluon 2:4 kernel can run this call (GPU, dtypes, M, K, storage), or None."""
     m, k = x.shape
     if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] != 9:
         return "not sm_90"
@@ -153,11 +158,29 @@ def unsupported(x, values, meta, cfg) -> str | None:
         return f"K={k} not a multiple of {split_k * wk * 16 * wpt}"
     if values.stride(0) != k // 2 or meta.stride(0) != k // 8 or values.stride(1) != 1 or meta.stride(1) != 1:
         return "strided values/meta"
+    return None
+
+
+def unsupported(x, values, meta, cfg) -> str | None:
+    """Why the Gluon kernel cannot run this call with config ("gluon", BM, BLOCK_N, WPT, SPLIT_K,
+    num_warps, WK), or None."""
+    _, _, bn, wpt, split_k, warps, wk = cfg[:7]
+    reason = unsupported_common(x, values, meta, wpt, split_k, wk)
+    if reason:
+        return reason
     if x.stride(1) != 1:
         return "x not contiguous along K (the kernel reads it in 16-byte vectors)"
     if warps % wk or bn % (16 * (warps // wk)):
         return "tile does not fit the warps"
     return None
+
+
+def launch_setup(x, values, out, block_n, split_k):
+    """Both 2:4 kernels' grid (row tiles, split_k), split-K buffers and the kept values as int32
+    words (one per group)."""
+    tiles = -(-values.shape[0] // block_n)
+    acc, count = split_k_buffers(x.device, x.shape[0] * values.shape[0], tiles) if split_k > 1 else (out, out)
+    return (tiles, split_k), acc, count, values.view(torch.int32)
 
 
 def launch(x, values, meta, scale, cfg, out):
@@ -166,10 +189,8 @@ def launch(x, values, meta, scale, cfg, out):
     x_ahead = len(cfg) > 7 and bool(cfg[7])
     m, k = x.shape
     n = values.shape[0]
-    tiles = -(-n // bn)
-    acc, count = split_k_buffers(x.device, m * n, tiles) if split_k > 1 else (out, out)
-    words = values.view(torch.int32)
-    sparse24_decode_kernel[(tiles, split_k)](
+    grid, acc, count, words = launch_setup(x, values, out, bn, split_k)
+    sparse24_decode_kernel[grid](
         x, words, meta, scale if scale is not None else words, out, acc, count, m, n,
         x.stride(0), out.stride(0), K=k, BLOCK_N=bn, WPT=wpt, MP=8 if m <= 8 else 16, WK=wk,
         SPLIT_K=split_k, HAS_SCALE=scale is not None, X_AHEAD=x_ahead, num_warps=warps)

@@ -48,8 +48,8 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from engine.kernels.nvfp4_decode_gluon import store_rows, stream_steps
-from engine.kernels.split_k import split_k_buffers
+from engine.kernels.nvfp4_decode_gluon import stream_steps
+from engine.kernels.sparse24_gluon import launch_setup, store_rows_scaled, unsupported_common
 
 _MMA_SP = gl.constexpr(
     "mma.sp.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32 "
@@ -188,16 +188,6 @@ def _mma_sp_step(words, meta, aux, x, acc, WK: gl.constexpr, BLOCK_N: gl.constex
     return acc
 
 
-@gluon.jit
-def _times_row_scale(total, scale_ptr, rows, N):
-    return total * gl.load(scale_ptr + rows, mask=rows < N, other=0.0)[:, None]
-
-
-@gluon.jit
-def _unscaled(total, scale_ptr, rows, N):
-    return total
-
-
 @gluon.jit(do_not_specialize=["M"])
 def sparse24_sp_kernel(
     x_ptr, words_ptr, meta_ptr, scale_ptr, out_ptr, acc_ptr, count_ptr,
@@ -206,9 +196,9 @@ def sparse24_sp_kernel(
     SPLIT_K: gl.constexpr, HAS_SCALE: gl.constexpr,
 ):
     """y[M, N] = x @ W^T (times scale[N]) for M <= MP (8 or 16); BLOCK_N = 16 * RB * num_warps / WK
-    (RB blocks of 16 rows per row warp, which reuse its x registers). words_ptr: the kept values as int32 [N, K/4]; meta_ptr: [N, K/8]
-    bytes read WPT/2 at a time (u8, u16, u32); x_ptr: x as int32 pairs, stride_xm in pairs. K a
-    multiple of SPLIT_K * WK * 16 * WPT."""
+    (RB blocks of 16 rows per row warp, which reuse its x registers). words_ptr: the kept values
+    as int32 [N, K/4]; meta_ptr: [N, K/8] bytes read WPT/2 at a time (u8, u16, u32); x_ptr: x as
+    int32 pairs, stride_xm in pairs. K a multiple of SPLIT_K * WK * 16 * WPT."""
     WN: gl.constexpr = gl.num_warps() // WK
     NB: gl.constexpr = BLOCK_N // 16
     RB: gl.constexpr = NB // WN
@@ -256,29 +246,17 @@ def sparse24_sp_kernel(
                        BLOCK_N, WPT, MP, X_AHEAD=True)
     # registers (row8, token bit 0): acc -> [WK, rows, tokens]
     acc = acc.reshape(WK, NB, T, 8, 4, 2, 2).permute(0, 1, 5, 3, 2, 4, 6).reshape(WK, BLOCK_N, MP)
-    if HAS_SCALE:
-        store_rows(_times_row_scale, acc, scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr,
-                   count_ptr, BLOCK_N, MP, SPLIT_K)
-    else:
-        store_rows(_unscaled, acc, scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr,
-                   count_ptr, BLOCK_N, MP, SPLIT_K)
+    store_rows_scaled(acc, HAS_SCALE, scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr, count_ptr,
+                      BLOCK_N, MP, SPLIT_K)
 
 
 def unsupported(x, values, meta, cfg) -> str | None:
     """Why the kernel cannot run this call with config ("sp", BM, BLOCK_N, WPT, SPLIT_K, num_warps,
     WK), or None."""
     _, _, bn, wpt, split_k, warps, wk = cfg
-    m, k = x.shape
-    if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] != 9:
-        return "not sm_90"
-    if values.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
-        return "bf16 values and activations only"
-    if m > 16:
-        return "M > 16"
-    if k % (split_k * wk * 16 * wpt):
-        return f"K={k} not a multiple of {split_k * wk * 16 * wpt}"
-    if values.stride(0) != k // 2 or meta.stride(0) != k // 8 or values.stride(1) != 1 or meta.stride(1) != 1:
-        return "strided values/meta"
+    reason = unsupported_common(x, values, meta, wpt, split_k, wk)
+    if reason:
+        return reason
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         return "x not read as 16-byte vectors (unit stride along K, rows 16-byte aligned)"
     rb = bn // (16 * (warps // wk)) if warps % wk == 0 else 0
@@ -292,10 +270,8 @@ def launch(x, values, meta, scale, cfg, out):
     _, _, bn, wpt, split_k, warps, wk = cfg
     m, k = x.shape
     n = values.shape[0]
-    tiles = -(-n // bn)
-    acc, count = split_k_buffers(x.device, m * n, tiles) if split_k > 1 else (out, out)
-    words = values.view(torch.int32)
-    sparse24_sp_kernel[(tiles, split_k)](
+    grid, acc, count, words = launch_setup(x, values, out, bn, split_k)
+    sparse24_sp_kernel[grid](
         x.view(torch.int32), words, meta, scale if scale is not None else words, out, acc, count, m, n,
         x.stride(0) // 2, out.stride(0), K=k, BLOCK_N=bn, WPT=wpt, MP=8 if m <= 8 else 16, WK=wk,
         SPLIT_K=split_k, HAS_SCALE=scale is not None, num_warps=warps)
