@@ -2,17 +2,21 @@
 the CPU tests of engine/kernels/nvfp4_decode_gluon.py and engine/kernels/sparse24_gluon.py."""
 from __future__ import annotations
 
+import inspect
 import re
 
 
 def compile_sm90(kernel, arg_types: dict[str, str], constexprs: dict, num_warps: int = 4) -> str:
     """The PTX of a Gluon kernel for sm_90. arg_types gives every run-time argument's Triton type
     ("*bf16", "i32", ..), constexprs every compile-time one's value. Pointers and strides are
-    declared multiples of 16, as torch's allocations and the kernels' row strides are."""
+    declared multiples of 16, as torch's allocations and the kernels' row strides are. Defaulted
+    compile-time arguments left out of constexprs take their defaults."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     names = kernel.arg_names
+    constexprs = {p.name: p.default for p in kernel.params
+                  if p.is_constexpr and p.default is not inspect.Parameter.empty} | constexprs
     signature = {n: arg_types.get(n, "constexpr") for n in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                if n in arg_types and (n.endswith("_ptr") or n.startswith("stride"))}
