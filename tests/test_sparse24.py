@@ -1,6 +1,9 @@
 """2:4 sparsity: pruning, compression, the decode Triton kernel (CPU interpreter), backends, and on
 the GPU every sparse kernel against the dense product of the pruned weights."""
 
+import itertools
+import re
+
 import pytest
 import torch
 
@@ -237,8 +240,9 @@ def test_gpu_decode_kernel_all_configs(m, n, k):
     w, x = _gpu_case(m, n, k, m * 7 + n)
     t = s24.compress_24(w)
     ref = fp64_ref(x, w)
+    metas = s24.mma_order_metas(t)
     for cfg in s24._DECODE_CONFIGS[s24._m_bucket(m)]:
-        y = s24.sparse24_mm(x, t.values, t.meta, config=cfg)
+        y = s24.sparse24_mm(x, t.values, t.meta, config=cfg, meta_mma=metas)
         torch.cuda.synchronize()
         assert rel_err(y, ref) < 8e-3, cfg
 
@@ -249,7 +253,7 @@ def test_gpu_sparse_mma_kernel(m):
     # The candidates of M's bucket at the Llama-3.1-8B shapes (an N tail on the first), other
     # tilings on small N tails and K down to a few steps per warp, with and without a per-row
     # scale; outputs poisoned first. The metadata layout (two threads per quad, four groups of
-    # both rows each) is what these products check.
+    # both rows each, `mma_order_meta`) is what these products check.
     from engine.kernels import sparse24_sp_gluon as sp
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("sm_90 kernel")
@@ -266,16 +270,18 @@ def test_gpu_sparse_mma_kernel(m):
                 sc = None if sc is None else torch.rand(n, device="cuda") + 0.5
                 ref = fp64_ref(x, w if sc is None else w.double() * sc.double()[:, None])
                 out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-                sp.launch(x, t.values, t.meta, sc, cfg, out)
+                sp.launch(x, t.values, sp.mma_order_meta(t.meta, cfg[3]), sc, cfg, out)
                 torch.cuda.synchronize()
                 assert not torch.isnan(out).any(), cfg
                 assert rel_err(out, ref) < 8e-3, (cfg, n, k)
     # Through the dispatcher the candidates run the sparse kernel itself, not the fallback.
     w, x = _gpu_case(m, 1000, 1024, 3)
     t = s24.compress_24(w)
-    for cfg in s24._SP + s24._SP16:
-        s24.sparse24_mm(x, t.values, t.meta, config=cfg)
-    assert not [key for key in s24.GLUON_SKIPPED if key[0][0] == "sp" and key[1] == m], s24.GLUON_SKIPPED
+    metas = s24.mma_order_metas(t)
+    for cfg in s24._SP + s24._SP8 + s24._SP16:
+        s24.sparse24_mm(x, t.values, t.meta, config=cfg, meta_mma=metas)
+    assert not [key for key in s24.GLUON_SKIPPED if key[0][0] == "sp" and key[1:4] == (m, 1000, 1024)], \
+        s24.GLUON_SKIPPED
 
 
 @pytest.mark.gpu
@@ -374,12 +380,13 @@ def test_gluon_decode_kernel_compiles_for_sm90():
 def test_sparse_mma_kernel_compiles_for_sm90():
     # mma.sp on the stored words: per K step of 16 * WPT and 8-token tile WPT/2 sparse k32 MMAs,
     # no dense MMA (nor its expansion); the words load straight into the A registers as 16-byte
-    # vectors (WPT 4, 8), x as 16-byte vectors whose halves neighbouring lanes swap with shuffles;
-    # no shared memory in the loop.
+    # vectors (WPT 4, 8), x as 16-byte vectors whose halves neighbouring lanes swap with shuffles,
+    # the metadata registers as they are stored (one vector per row block and step: no integer
+    # work on them); no shared memory in the loop.
     pytest.importorskip("triton.experimental.gluon.language.nvidia.ampere")
     from gluon_ptx import compile_sm90, ptx_loops
     from engine.kernels.sparse24_sp_gluon import sparse24_sp_kernel
-    args = dict(x_ptr="*i32", words_ptr="*i32", meta_ptr="*u8", scale_ptr="*fp32", out_ptr="*bf16",
+    args = dict(x_ptr="*i32", words_ptr="*i32", meta_ptr="*i32", scale_ptr="*fp32", out_ptr="*bf16",
                 acc_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", stride_xm="i32", stride_om="i32")
     for wpt, mp, wk, warps, split, rb in ((4, 8, 2, 4, 1, 1), (8, 16, 4, 4, 2, 1), (4, 16, 1, 8, 1, 1),
                                           (8, 8, 4, 8, 2, 1), (4, 16, 2, 4, 1, 4)):
@@ -392,16 +399,41 @@ def test_sparse_mma_kernel_compiles_for_sm90():
         # 2 steps; RB row blocks per warp share the x registers
         assert body.count("mma.sp.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32") == 2 * (wpt // 2) * (mp // 8) * rb
         assert "mma.sync.aligned.m16n8k16" not in body
-        # per step: 2 rows of WPT words per row block, 8 * WPT bytes of x per token tile (+ the meta
-        # at WPT 8: 16 bytes per row)
-        per_step = rb * (2 * wpt // 4 + (2 if wpt == 8 else 0)) + (mp // 8) * wpt // 2
+        # per step: 2 rows of WPT words per row block, 8 * WPT bytes of x per token tile, WPT / 2
+        # metadata registers per row block (16 bytes at WPT 8, 8 at WPT 4)
+        per_step = rb * (wpt // 2 + (1 if wpt == 8 else 0)) + (mp // 8) * wpt // 2
         assert body.count("ld.global.v4.b32") == 2 * per_step, wpt
+        assert body.count("ld.global.v2.b32") == (2 * rb if wpt == 4 else 0)
+        assert not re.search(r"\b(and|or|shr|shl|prmt|bfe)\.b32", body)
         assert body.count("shfl.sync.bfly.b32") == 2 * (mp // 8) * wpt
         assert "shared" not in body and "bar.sync" not in body
 
 
+def test_mma_order_meta_is_the_registers_the_kernel_passes():
+    # Register (block, step, g, q, c): rows 16 block + g (bits 0..15) and + 8 (16..31), logical
+    # groups 4q .. 4q + 3 of MMA c, a nibble each; byte (WPT/2) m + c of a row's step holds
+    # logical groups m (low nibble) and m + 4 (high). Built here from the bytes, independently.
+    from engine.kernels.sparse24_sp_gluon import mma_order_meta
+    for wpt in (2, 4, 8):
+        n, k = 37, 16 * wpt * 3
+        meta = torch.randint(0, 256, (n, k // 8), dtype=torch.uint8)
+        mo = mma_order_meta(meta, wpt)
+        steps, c_count = k // (16 * wpt), wpt // 2
+        assert mo.dtype == torch.int32 and mo.shape == ((n + 15) // 16, steps, 8, 2, c_count)
+        want = torch.zeros(mo.shape, dtype=torch.int64)
+        for b, s, g, q, c in itertools.product(range(mo.shape[0]), range(steps), range(8), range(2),
+                                               range(c_count)):
+            for h, m in itertools.product(range(2), range(4)):
+                row = 16 * b + 8 * h + g
+                if row < n:
+                    byte = int(meta[row, s * 2 * wpt + (wpt // 2) * m + c])
+                    want[b, s, g, q, c] |= ((byte >> (4 * q)) & 15) << (4 * m + 16 * h)
+        assert torch.equal(mo.long() & 0xFFFFFFFF, want)
+    assert s24.mma_order_metas(s24.compress_24(s24.prune_24(torch.randn(32, 256)))) is None  # CPU
+
+
 def test_gluon_configs_are_decode_candidates():
     gluon = [c for c in s24._DECODE_CONFIGS[1] if c[0] == "gluon"]
-    assert gluon and all(any(c[0] == "gluon" for c in s24._DECODE_CONFIGS[b]) for b in (1, 4, 16))
-    for bucket in (1, 4, 16):
+    assert gluon and all(any(c[0] == "gluon" for c in s24._DECODE_CONFIGS[b]) for b in (1, 4, 8, 16))
+    for bucket in (1, 4, 8, 16):
         assert s24._DECODE_CONFIGS[bucket][0][0] != "gluon"  # the untuned default runs anywhere

@@ -56,7 +56,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from engine.kernels.split_k import split_k_buffers
 
@@ -176,13 +176,13 @@ def _dup8(v):
 
 @gluon.jit
 def _load_step(words_ptrs, side_ptrs, j: gl.constexpr, WPT: gl.constexpr, WK: gl.constexpr,
-               TILE: gl.constexpr = 1):
-    """Packed words (4 * WPT per row and step) and their side data (block scales, or 2:4 meta: one
-    element per thread) of the j-th K step after the pointers' (the warps' K slices interleave step
-    by step): a compile-time offset, folded into the load's address. Rows past N were clamped, so
-    nothing is masked. TILE: rows per stored tile (`tile_rows`), 1 for row-major storage."""
-    words = gl.load(words_ptrs + j * WK * (TILE * 4 * WPT))
-    side = gl.load(side_ptrs + j * WK * (TILE * 4))
+               S_STEP: gl.constexpr):
+    """Packed words (4 * WPT per row and step) and their side data (block scales or 2:4 metadata,
+    S_STEP elements from a step to the next) of the j-th K step after the pointers' (the warps' K
+    slices interleave step by step): a compile-time offset, folded into the load's address. Rows
+    past N were clamped, so nothing is masked."""
+    words = gl.load(words_ptrs + j * WK * (4 * WPT))
+    side = gl.load(side_ptrs + j * WK * S_STEP)
     return words, side
 
 
@@ -230,7 +230,7 @@ def _mma_step(words, scales, aux, x, acc, WK: gl.constexpr, BLOCK_N: gl.constexp
 @gluon.jit
 def stream_pointers(words_ptr, side_ptr, x_ptr, n0, k0, M, N, stride_xm, K: gl.constexpr,
                     BLOCK_N: gl.constexpr, WPT: gl.constexpr, MP: gl.constexpr, WN: gl.constexpr,
-                    WK: gl.constexpr, STEP_K: gl.constexpr, TILE: gl.constexpr = 1):
+                    WK: gl.constexpr, STEP_K: gl.constexpr):
     """Pointers to a program's first K step: packed words [WK, BLOCK_N, 4 * WPT] (int32, 4 * WPT
     per row and step), side data [WK, BLOCK_N, 4] (one element per thread: its WPT words' block
     scales or meta, read as u8 / u16 / u32) and x [WK, MP, STEP_K]. Warp slice w of the WK takes
@@ -242,36 +242,28 @@ def stream_pointers(words_ptr, side_ptr, x_ptr, n0, k0, M, N, stride_xm, K: gl.c
     xl: gl.constexpr = x_layout(MP, STEP_K, WN, WK)
     K_PER_WORD: gl.constexpr = STEP_K // (4 * WPT)  # 8 for e2m1 words, 4 for 2:4 groups
     SIDE_K: gl.constexpr = STEP_K // 4  # K per side element
-    STEP_W: gl.constexpr = TILE * 4 * WPT  # words from a row's K step to its next
-    STEP_S: gl.constexpr = TILE * 4  # side elements from a row's K step to its next
     w_ks = gl.arange(0, WK, layout=gl.SliceLayout(1, gl.SliceLayout(2, w_layout)))
-    w_rows = gl.minimum(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, w_layout))),
-                        N - 1)
+    w_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, w_layout)))
     w_cols = gl.arange(0, 4 * WPT, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_layout)))
+    offs_w = (w_ks[:, None, None] * (STEP_K // K_PER_WORD)
+              + gl.minimum(n0 + w_rows, N - 1)[None, :, None] * (K // K_PER_WORD) + w_cols[None, None, :])
     s_ks = gl.arange(0, WK, layout=gl.SliceLayout(1, gl.SliceLayout(2, s_layout)))
-    s_rows = gl.minimum(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, s_layout))),
-                        N - 1)
+    s_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, s_layout)))
     s_cols = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, s_layout)))
-    if TILE == 1:
-        w_row_offs = w_rows * (K // K_PER_WORD)
-        s_row_offs = s_rows * (K // SIDE_K)
-    else:  # tiles of TILE rows x one K step, each stored contiguously (`tile_rows`)
-        w_row_offs = (w_rows // TILE) * (K // STEP_K * STEP_W) + (w_rows % TILE) * (4 * WPT)
-        s_row_offs = (s_rows // TILE) * (K // STEP_K * STEP_S) + (s_rows % TILE) * 4
-    offs_w = w_ks[:, None, None] * STEP_W + w_row_offs[None, :, None] + w_cols[None, None, :]
-    offs_s = s_ks[:, None, None] * STEP_S + s_row_offs[None, :, None] + s_cols[None, None, :]
+    offs_s = (s_ks[:, None, None] * 4 + gl.minimum(n0 + s_rows, N - 1)[None, :, None] * (K // SIDE_K)
+              + s_cols[None, None, :])
     x_ks = gl.arange(0, WK, layout=gl.SliceLayout(1, gl.SliceLayout(2, xl)))
     x_rows = gl.arange(0, MP, layout=gl.SliceLayout(0, gl.SliceLayout(2, xl)))
     x_cols = gl.arange(0, STEP_K, layout=gl.SliceLayout(0, gl.SliceLayout(1, xl)))
     offs_x = (x_ks[:, None, None] * STEP_K + gl.minimum(x_rows, M - 1)[None, :, None] * stride_xm
               + x_cols[None, None, :])
-    words_ptrs = words_ptr + k0 // STEP_K * STEP_W + offs_w
+    words_ptrs = words_ptr + k0 // K_PER_WORD + offs_w
     if WPT == 8:
-        side_ptrs = side_ptr.to(gl.pointer_type(gl.uint32), bitcast=True) + k0 // STEP_K * STEP_S + offs_s
+        side_ptrs = side_ptr.to(gl.pointer_type(gl.uint32), bitcast=True) + k0 // SIDE_K + offs_s
     elif WPT == 4:
-        side_ptrs = side_ptr.to(gl.pointer_type(gl.uint16), bitcast=True) + k0 // STEP_K * STEP_S + offs_s
+        side_ptrs = side_ptr.to(gl.pointer_type(gl.uint16), bitcast=True) + k0 // SIDE_K + offs_s
     else:
-        side_ptrs = side_ptr + k0 // STEP_K * STEP_S + offs_s
+        side_ptrs = side_ptr + k0 // SIDE_K + offs_s
     x_ptrs = x_ptr + k0 + offs_x
     return words_ptrs, side_ptrs, x_ptrs
 
@@ -280,19 +272,21 @@ def stream_pointers(words_ptr, side_ptr, x_ptr, n0, k0, M, N, stride_xm, K: gl.c
 def stream_steps(MMA_STEP: gl.constexpr, words_ptrs, side_ptrs, x_ptrs, aux, acc,
                  STEPS: gl.constexpr, STEP_K: gl.constexpr, WK: gl.constexpr, BLOCK_N: gl.constexpr,
                  WPT: gl.constexpr, MP: gl.constexpr, X_AHEAD: gl.constexpr = False,
-                 TILE: gl.constexpr = 1):
+                 S_STEP: gl.constexpr = 4):
     """acc += every K step of the warp's slice, MMA_STEP(words, side, aux, x, acc, ..) decoding
     one step. Two steps in flight: the loop body consumes steps i, i+1 and refills them with i+2,
     i+3; the pointers advance once per body, the steps are constant offsets from them. X_AHEAD:
     x is loaded with the weights, two steps ahead (the sparse-MMA 2:4 kernel, where it took
     gate_up from 37.1 to 34.1 us at M = 1), else when its step runs (fewer registers; it helped
-    the other kernels only in one 2:4 case at 16 tokens)."""
+    the other kernels only in one 2:4 case at 16 tokens). S_STEP: side elements from a step to the
+    next (4, one per thread of a row's quad; the sparse-MMA kernel's metadata registers are stored
+    per 16-row block and step)."""
     X_STEP: gl.constexpr = WK * STEP_K
-    w_a, s_a = _load_step(words_ptrs, side_ptrs, 0, WPT, WK, TILE)
+    w_a, s_a = _load_step(words_ptrs, side_ptrs, 0, WPT, WK, S_STEP)
     if X_AHEAD:
         x_a = gl.load(x_ptrs)
     if STEPS > 1:
-        w_b, s_b = _load_step(words_ptrs, side_ptrs, 1, WPT, WK, TILE)
+        w_b, s_b = _load_step(words_ptrs, side_ptrs, 1, WPT, WK, S_STEP)
         if X_AHEAD:
             x_b = gl.load(x_ptrs + X_STEP)
     else:  # one step per warp (small K): the loop below runs no iteration but is still compiled
@@ -302,25 +296,25 @@ def stream_steps(MMA_STEP: gl.constexpr, words_ptrs, side_ptrs, x_ptrs, aux, acc
     for _ in range((STEPS - 2) // 2):
         if X_AHEAD:
             acc = MMA_STEP(w_a, s_a, aux, x_a, acc, WK, BLOCK_N, WPT, MP)
-            w_a, s_a = _load_step(words_ptrs, side_ptrs, 2, WPT, WK, TILE)
+            w_a, s_a = _load_step(words_ptrs, side_ptrs, 2, WPT, WK, S_STEP)
             x_a = gl.load(x_ptrs + 2 * X_STEP)
             acc = MMA_STEP(w_b, s_b, aux, x_b, acc, WK, BLOCK_N, WPT, MP)
-            w_b, s_b = _load_step(words_ptrs, side_ptrs, 3, WPT, WK, TILE)
+            w_b, s_b = _load_step(words_ptrs, side_ptrs, 3, WPT, WK, S_STEP)
             x_b = gl.load(x_ptrs + 3 * X_STEP)
         else:
             acc = MMA_STEP(w_a, s_a, aux, gl.load(x_ptrs), acc, WK, BLOCK_N, WPT, MP)
-            w_a, s_a = _load_step(words_ptrs, side_ptrs, 2, WPT, WK, TILE)
+            w_a, s_a = _load_step(words_ptrs, side_ptrs, 2, WPT, WK, S_STEP)
             acc = MMA_STEP(w_b, s_b, aux, gl.load(x_ptrs + X_STEP), acc, WK, BLOCK_N, WPT, MP)
-            w_b, s_b = _load_step(words_ptrs, side_ptrs, 3, WPT, WK, TILE)
-        words_ptrs += 2 * WK * (TILE * 4 * WPT)
-        side_ptrs += 2 * WK * (TILE * 4)
+            w_b, s_b = _load_step(words_ptrs, side_ptrs, 3, WPT, WK, S_STEP)
+        words_ptrs += 2 * WK * (4 * WPT)
+        side_ptrs += 2 * WK * S_STEP
         x_ptrs += 2 * X_STEP
     LEFT: gl.constexpr = STEPS - 2 * ((STEPS - 2) // 2) if STEPS > 1 else 1  # 1, 2 or 3
     if not X_AHEAD:
         x_a = gl.load(x_ptrs)
     acc = MMA_STEP(w_a, s_a, aux, x_a, acc, WK, BLOCK_N, WPT, MP)
     if LEFT == 3:
-        w_a, s_a = _load_step(words_ptrs, side_ptrs, 2, WPT, WK, TILE)
+        w_a, s_a = _load_step(words_ptrs, side_ptrs, 2, WPT, WK, S_STEP)
         x_a = gl.load(x_ptrs + 2 * X_STEP)
     if LEFT >= 2:
         if not X_AHEAD:
@@ -328,49 +322,6 @@ def stream_steps(MMA_STEP: gl.constexpr, words_ptrs, side_ptrs, x_ptrs, aux, acc
         acc = MMA_STEP(w_b, s_b, aux, x_b, acc, WK, BLOCK_N, WPT, MP)
     if LEFT == 3:
         acc = MMA_STEP(w_a, s_a, aux, x_a, acc, WK, BLOCK_N, WPT, MP)
-    return acc
-
-
-@gluon.jit
-def stream_steps_async(MMA_STEP: gl.constexpr, words_ptrs, side_ptrs, side_shift, x_ptrs, aux, acc,
-                       STEPS: gl.constexpr, STEP_K: gl.constexpr, WK: gl.constexpr, BLOCK_N: gl.constexpr,
-                       WPT: gl.constexpr, MP: gl.constexpr, STAGES: gl.constexpr, TILE: gl.constexpr = 1,
-                       X_AHEAD: gl.constexpr = False):
-    """stream_steps with the weights staged through shared memory: each thread cp.asyncs its own
-    words and side words (int32; its side element is the 16-bit half `side_shift` selects) STAGES - 1
-    steps ahead into a ring of STAGES, and reads back only what it copied, so a per-thread
-    `wait_group` orders the ring and no barrier is needed. The bytes in flight live in shared memory,
-    not in registers: a deeper pipeline than stream_steps at the same register count. x is read when
-    its step runs (from L1)."""
-    X_STEP: gl.constexpr = WK * STEP_K
-    STEP_W: gl.constexpr = WK * TILE * 4 * WPT
-    STEP_S: gl.constexpr = WK * TILE * 2  # int32 side words (two 16-bit elements each)
-    ring: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
-    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES] + words_ptrs.type.shape, ring)
-    s_smem = gl.allocate_shared_memory(gl.int32, [STAGES] + side_ptrs.type.shape, ring)
-    for j in gl.static_range(STAGES - 1):
-        if j < STEPS:
-            async_copy.async_copy_global_to_shared(w_smem.index(j), words_ptrs + j * STEP_W)
-            async_copy.async_copy_global_to_shared(s_smem.index(j), side_ptrs + j * STEP_S)
-        async_copy.commit_group()
-    if X_AHEAD:
-        x_next = gl.load(x_ptrs)
-    for i in range(STEPS):
-        async_copy.wait_group(STAGES - 2)  # step i's group, and every one before it, has landed
-        words = w_smem.index(i % STAGES).load(words_ptrs.type.layout)
-        side = (s_smem.index(i % STAGES).load(side_ptrs.type.layout) >> side_shift).to(gl.uint16)
-        ahead = i + (STAGES - 1)
-        if ahead < STEPS:  # into the stage this thread read at step i - 1
-            async_copy.async_copy_global_to_shared(w_smem.index(ahead % STAGES), words_ptrs + ahead * STEP_W)
-            async_copy.async_copy_global_to_shared(s_smem.index(ahead % STAGES), side_ptrs + ahead * STEP_S)
-        async_copy.commit_group()
-        if X_AHEAD:
-            x = x_next
-            x_next = gl.load(x_ptrs + gl.minimum(i + 1, STEPS - 1) * X_STEP)
-        else:
-            x = gl.load(x_ptrs + i * X_STEP)
-        acc = MMA_STEP(words, side, aux, x, acc, WK, BLOCK_N, WPT, MP)
-    async_copy.wait_group(0)
     return acc
 
 
@@ -430,8 +381,7 @@ def nvfp4_decode_kernel(
     x_ptr, words_ptr, scale_ptr, tensor_scale_ptr, out_ptr, acc_ptr, count_ptr,
     M, N, stride_xm, stride_om, K: gl.constexpr,
     BLOCK_N: gl.constexpr, WPT: gl.constexpr, MP: gl.constexpr, WK: gl.constexpr,
-    SPLIT_K: gl.constexpr, TILE: gl.constexpr = 1, X_AHEAD: gl.constexpr = False,
-    STAGES: gl.constexpr = 0,
+    SPLIT_K: gl.constexpr,
 ):
     """y[M, N] = x @ W^T for M <= MP (8 or 16: one or two n8 token tiles). words_ptr is the packed
     weight as int32 [N, K/8], scale_ptr its e4m3 block scales [N, K/16] (read WPT/2 at a time);
@@ -448,20 +398,10 @@ def nvfp4_decode_kernel(
     n0 = pid_n * BLOCK_N
     k0 = pid_k * K_CTA
     words_ptrs, scale_ptrs, x_ptrs = stream_pointers(
-        words_ptr, scale_ptr, x_ptr, n0, k0, M, N, stride_xm, K, BLOCK_N, WPT, MP, WN, WK, STEP_K, TILE)
+        words_ptr, scale_ptr, x_ptr, n0, k0, M, N, stride_xm, K, BLOCK_N, WPT, MP, WN, WK, STEP_K)
     acc = gl.zeros([WK, BLOCK_N, MP], gl.float32, layout=mma)
-    if STAGES == 0:
-        acc = stream_steps(_mma_step, words_ptrs, scale_ptrs, x_ptrs, 0, acc, STEPS, STEP_K, WK, BLOCK_N,
-                           WPT, MP, X_AHEAD, TILE)
-    else:  # the scales read as int32 pairs (cp.async moves 4 bytes or more): thread q takes half q % 2
-        gl.static_assert(WPT == 4)
-        s_layout: gl.constexpr = scale_ptrs.type.layout
-        cols = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, s_layout)))
-        pair_bytes = scale_ptrs.to(gl.pointer_type(gl.int8), bitcast=True) - 2 * (cols % 2)[None, None, :]
-        pairs = pair_bytes.to(gl.pointer_type(gl.int32), bitcast=True)  # elements 2e, 2e + 1: int32 e
-        shift = gl.zeros([WK, BLOCK_N, 4], gl.int32, layout=s_layout) + 16 * (cols % 2)[None, None, :]
-        acc = stream_steps_async(_mma_step, words_ptrs, pairs, shift, x_ptrs, 0, acc, STEPS, STEP_K, WK, BLOCK_N,
-                                 WPT, MP, STAGES, TILE, X_AHEAD)
+    acc = stream_steps(_mma_step, words_ptrs, scale_ptrs, x_ptrs, 0, acc, STEPS, STEP_K, WK, BLOCK_N,
+                       WPT, MP)
 
     store_rows(_times_tensor_scale, acc, tensor_scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr,
                count_ptr, BLOCK_N, MP, SPLIT_K)
@@ -522,16 +462,6 @@ def decode_matmul(x: torch.Tensor, w, out: torch.Tensor,
         x, w.packed.view(torch.int32), w.block_scale.view(torch.uint8), w.tensor_scale, out, acc,
         count, m, n, x.stride(0), out.stride(0), K=k, MP=8 if m <= 8 else 16, **cfg)
     return out
-
-
-def tile_rows(t: torch.Tensor, step_cols: int, tile: int = 16) -> torch.Tensor:
-    """[N, C] -> the same elements stored in tiles of `tile` rows x `step_cols` columns, each tile
-    contiguous, tiles ordered (row tile, column step); rows padded with zeros to a multiple of
-    `tile`. Flat. What the kernel reads with TILE = tile."""
-    n, c = t.shape
-    if n % tile:
-        t = torch.cat([t, t.new_zeros(tile - n % tile, c)])
-    return t.reshape(-1, tile, c // step_cols, step_cols).transpose(1, 2).contiguous().view(-1)
 
 
 _SM_COUNT: dict = {}

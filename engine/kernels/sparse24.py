@@ -149,19 +149,22 @@ _GLUON = [("gluon", 16, 32, 4, 1, 4, 2), ("gluon", 16, 64, 4, 1, 8, 2), ("gluon"
           ("gluon", 16, 16, 8, 2, 4, 4), ("gluon", 16, 32, 4, 4, 4, 2), ("gluon", 16, 16, 4, 8, 4, 4)]
 _GLUON16 = [("gluon", 16, 32, 4, 1, 4, 2), ("gluon", 16, 32, 4, 4, 4, 2), ("gluon", 16, 32, 4, 4, 4, 2, True)]
 # "sp": engine/kernels/sparse24_sp_gluon.py, the sparse tensor cores (mma.sp) on the stored values
-# (sm_90, bf16), ("sp", BM, BLOCK_N = 16 * RB rows per row warp, WPT, SPLIT_K, num_warps, WK),
-# skipped like "gluon". The fastest of H200 sweeps (CUDA graphs, 3 weight copies) at M = 1 / 4 / 8
-# / 16: gate_up 33.9 / 35.7 / 36.5 / 42.2 us (3.9 TB/s of compressed weight at M = 1; at 16 tokens
-# with 4 row blocks per warp, which reuse x), down 19.4 / 19.9 / 21.2 / 25.2 us; the best "gluon" in
-# the same runs: 37.2 / 37.6 / - / 44.7 and 22.1 / 23.0 / - / 26.6.
-_SP = [("sp", 16, 128, 8, 1, 8, 1), ("sp", 16, 64, 8, 1, 4, 1), ("sp", 16, 32, 8, 1, 4, 2),
-       ("sp", 16, 128, 8, 1, 4, 1), ("sp", 16, 128, 8, 8, 8, 1), ("sp", 16, 64, 8, 8, 4, 1),
+# and the MMA-order metadata (sm_90, bf16), ("sp", BM, BLOCK_N = 16 * RB rows per row warp, WPT,
+# SPLIT_K, num_warps, WK), skipped like "gluon". The fastest of an H200 sweep (CUDA graphs, 3 weight
+# copies, 2026-11-22) at M = 1 / 4 / 8 / 16: gate_up 33.1 / 33.8 / 35.0 / 38.1 us, down 18.6 / 19.1
+# / 20.5 / 22.0 us; the stored-nibble metadata before: 34.0 / 35.4 / 38.4 / 42.3 and 19.6 / 20.1 /
+# 22.0 / 25.5; the best "gluon" (earlier runs) 37.2 / 37.6 / 37.3 / 44.7 and 22.1 / 23.0 / 24.0 / 26.6.
+_SP = [("sp", 16, 128, 8, 1, 8, 1), ("sp", 16, 64, 8, 1, 4, 1), ("sp", 16, 128, 8, 1, 4, 1),
+       ("sp", 16, 256, 8, 1, 8, 1), ("sp", 16, 64, 8, 8, 4, 1), ("sp", 16, 128, 8, 8, 8, 1),
        ("sp", 16, 16, 8, 1, 8, 8), ("sp", 16, 64, 8, 4, 8, 2)]
-_SP16 = [("sp", 16, 128, 4, 1, 4, 2), ("sp", 16, 32, 4, 1, 4, 2), ("sp", 16, 64, 4, 8, 4, 1),
-         ("sp", 16, 16, 4, 1, 8, 8)]
+_SP8 = [("sp", 16, 128, 4, 1, 4, 2), ("sp", 16, 64, 4, 1, 4, 2), ("sp", 16, 128, 8, 1, 4, 2),
+        ("sp", 16, 16, 4, 1, 8, 8), ("sp", 16, 64, 4, 8, 4, 1), ("sp", 16, 128, 4, 8, 4, 1)]
+_SP16 = [("sp", 16, 128, 4, 1, 4, 2), ("sp", 16, 64, 4, 1, 4, 2), ("sp", 16, 256, 4, 1, 8, 2),
+         ("sp", 16, 64, 4, 8, 4, 1), ("sp", 16, 16, 4, 1, 8, 8), ("sp", 16, 128, 4, 8, 4, 1)]
 _DECODE_CONFIGS = {
     1: _MMA + [("fma", 1, 32, 256, 1, 4, 1), ("fma", 1, 16, 256, 2, 4, 1)] + _GLUON + _SP,
     4: _MMA + [("fma", 4, 32, 256, 1, 4, 1)] + _GLUON + _SP,
+    8: _MMA + [("wtile", 16, 64, 256, 2, 4, 3)] + _GLUON16 + _SP8,
     16: _MMA + [("wtile", 16, 64, 256, 2, 4, 3)] + _GLUON16 + _SP16,
     32: [("mma", 32, 128, 256, 1, 4, 3, 8, 16), ("mma", 32, 128, 128, 8, 4, 4, 8, 16),
          ("mma", 32, 64, 256, 4, 4, 3, 4, 16), ("wtile", 32, 64, 256, 1, 4, 3), ("xsplit", 32, 32, 256, 1, 4, 3)],
@@ -178,10 +181,13 @@ TUNE_TIMES: dict[tuple, dict] = {}  # every candidate's median ms, for the bench
 
 
 def _m_bucket(m: int) -> int:
-    return 1 if m == 1 else 4 if m <= 4 else 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    return (1 if m == 1 else 4 if m <= 4 else 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32
+            else 64 if m <= 64 else 128)
 
 
-def _launch(x, values, meta, scale, cfg, out=None):
+def _launch(x, values, meta, scale, cfg, out=None, meta_mma=None):
+    """out = x @ W^T with config cfg; meta_mma: the weight's MMA-order metadata per WPT (the "sp"
+    kernel's; without it those configs fall back like an unsupported Gluon config)."""
     from engine.kernels import sparse24_triton as kernels
     kind, bm, bn, bk, split_k, warps, stages = cfg[:7]
     m, k = x.shape
@@ -198,7 +204,12 @@ def _launch(x, values, meta, scale, cfg, out=None):
             else:
                 from engine.kernels import sparse24_sp_gluon as gluon_kernel
             reason = gluon_kernel.unsupported(x, values, meta, cfg)
-            if reason is None:
+            if reason is None and kind == "sp":
+                if meta_mma is None or cfg[3] not in meta_mma:
+                    reason = "no MMA-order metadata for this WPT"
+                else:
+                    return gluon_kernel.launch(x, values, meta_mma[cfg[3]], scale, cfg, out)
+            elif reason is None:
                 return gluon_kernel.launch(x, values, meta, scale, cfg, out)
         GLUON_SKIPPED[(cfg, m, n, k, values.dtype)] = reason
         return _launch_mma(x, values, meta, scale, _MMA[0], out)
@@ -273,24 +284,46 @@ def triton_cdiv(a: int, b: int) -> int:
 
 def sparse24_mm(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
                 scale: torch.Tensor | None = None, config: tuple | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, meta_mma: dict | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T, W 2:4-compressed (values bf16 or fp8 [N, K/2], meta [N, K/8]),
-    times scale[N] per output channel if given, written to `out` if given (contiguous [M, N]).
-    The launch configuration is tuned per (M bucket, N, K, dtypes) on first use."""
+    times scale[N] per output channel if given, written to `out` if given (contiguous [M, N]);
+    meta_mma: {WPT: sparse24_sp_gluon.mma_order_meta(meta, WPT)} for the sparse-MMA kernel
+    (`mma_order_metas`). The launch configuration is tuned per (M bucket, N, K, dtypes) on first
+    use."""
     if x.stride(1) != 1:
         x = x.contiguous()
     if config is not None:
-        return _launch(x, values, meta, scale, config, out)
+        return _launch(x, values, meta, scale, config, out, meta_mma)
     bucket = _m_bucket(x.shape[0])
     key = (bucket, values.shape[0], x.shape[1], x.dtype, values.dtype, scale is not None)
     cfg = _TUNED.get(key)
     if cfg is None:
         candidates = _DECODE_CONFIGS[bucket]
         if _interpreting() or not x.is_cuda or torch.cuda.is_current_stream_capturing():
-            return _launch(x, values, meta, scale, candidates[0], out)
-        TUNE_TIMES[key] = {c: _time_ms(lambda: _launch(x, values, meta, scale, c)) for c in candidates}
-        cfg = _TUNED[key] = min(candidates, key=TUNE_TIMES[key].get)
-    return _launch(x, values, meta, scale, cfg, out)
+            return _launch(x, values, meta, scale, candidates[0], out, meta_mma)
+        def time(c):
+            return _time_ms(lambda: _launch(x, values, meta, scale, c, None, meta_mma))
+        times = {c: time(c) for c in candidates}
+        # One timing each picked the slower of two close configurations (1-3 us apart at 16 tokens):
+        # the three fastest are timed again and ranked by the mean of both timings.
+        for c in sorted(candidates, key=times.get)[:3]:
+            times[c] = (times[c] + time(c)) / 2
+        TUNE_TIMES[key] = times
+        cfg = _TUNED[key] = min(candidates, key=times.get)
+    return _launch(x, values, meta, scale, cfg, out, meta_mma)
+
+
+def mma_order_metas(t: "Sparse24Tensor") -> dict | None:
+    """The sparse-MMA kernel's metadata, {WPT: int32 registers in MMA order} for the WPTs its
+    candidates use: on sm_90 with bf16 values (where it runs), else None. The same bytes as meta
+    once per WPT (1/8 of the values' bytes each); built with the weight so that the KV cache is
+    sized after it."""
+    if not (t.values.is_cuda and t.values.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(t.values.device)[0] == 9):
+        return None
+    from engine.kernels.sparse24_sp_gluon import mma_order_meta
+    wpts = sorted({c[3] for cs in _DECODE_CONFIGS.values() for c in cs if c[0] == "sp"})
+    return {wpt: mma_order_meta(t.meta, wpt) for wpt in wpts if (t.shape[1] // 8) % (2 * wpt) == 0}
 
 
 def _time_ms(fn) -> float:
@@ -420,6 +453,7 @@ class Sparse24Weight(LinearBackend):
         if t.values.is_cuda:
             self.packed = _cslt_compress(decompress_24(t))
         self.values = _values_view(self.packed, t.values)
+        self.meta_mma = mma_order_metas(t)
 
     @classmethod
     def from_dense(cls, w: torch.Tensor, score: torch.Tensor | None = None) -> "Sparse24Weight":
@@ -432,7 +466,7 @@ class Sparse24Weight(LinearBackend):
         return Sparse24Tensor(self.values, self.meta, (self.out_features, self.in_features))
 
     def decode(self, x):
-        return sparse24_mm(x, self.values, self.meta)
+        return sparse24_mm(x, self.values, self.meta, meta_mma=self.meta_mma)
 
     def prefill(self, x):
         return cslt_mm(self.packed, x, self.out_features)

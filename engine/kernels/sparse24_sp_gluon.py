@@ -1,6 +1,6 @@
 """2:4-sparse decode GEMM on Hopper's sparse tensor cores (mma.sp m16n8k32), in Gluon, for
 M <= 16 tokens: y = x @ W^T, W 2:4-compressed (`values` bf16 [N, K/2], `meta` uint8 [N, K/8], see
-sparse24.py).
+sparse24.py, with the metadata rearranged once per weight by `mma_order_meta`).
 
 The kept values go to the tensor core as they are stored: mma.sp takes the A operand compressed
 (16 x 16 kept values standing for 16 x 32) plus 2-bit indices, so there is no expansion in registers
@@ -13,7 +13,7 @@ Fragments (PTX ISA, sparse m16n8k32 .bf16; groupID g = lane / 4, q = lane % 4):
 - B (x^T), 4 registers of bf16 pairs: token g, logical K 2q + 8i (+0, +1), i = 0..3.
 - metadata, 1 register read from threads q = 0 and 1 of each quad (sparsity selector 0): thread q
   holds logical groups 4q .. 4q + 3 of row g in bits 0..15 and of row g + 8 in bits 16..31, a
-  nibble per group, i0 | i1 << 2: the stored nibble. (Checked on the H200: one row per thread, all
+  nibble per group, i0 | i1 << 2 (the stored nibble). (Checked on the H200: one row per thread, all
   8 groups, gives wrong products.)
 - C / D: rows g, g + 8, tokens 2q, 2q + 1, as the dense m16n8k16.
 
@@ -24,18 +24,23 @@ as its logical group j. x is read in the same order (a permutation of K applied 
 leaves the product unchanged). A thread's B pairs are then half of each of 2 * WPT stored groups of
 x, the other halves belonging to its neighbour lane: each lane loads one run of 2 * WPT whole pairs
 as 16-byte vectors, and neighbouring lanes swap halves (shfl.bfly; 4-byte loads of the pairs
-instead took 87 against 46 us at 16 tokens). x is loaded two steps ahead, like the weights. The
-metadata registers are assembled from the stored nibbles of the step (2 * WPT bytes per row, rows
-g and g + 8 loaded by every thread of the quad): byte (WPT/2) * m + c holds logical groups m (low
-nibble) and m + 4 (high) of MMA c.
+instead took 87 against 46 us at 16 tokens). x is loaded two steps ahead, like the weights.
 
-Measured (H200, CUDA-graph medians over 3 weight copies; the `prmt` kernel's best configuration in
-the same runs): gate_up 28672 x 4096 at M = 1 / 4 / 8 / 16: 33.9 / 35.7 / 36.5 / 42.2 us (3.9 TB/s
-of compressed weight at M = 1) against 37.2 / 37.6 / - / 44.7; down 4096 x 14336: 19.4 / 19.9 /
-21.2 / 25.2 us against 22.1 / 23.0 / - / 26.6. About 40% fewer instructions per K step than the
-`prmt` kernel (no expansion, half the MMAs). At 16 tokens the x traffic through L1 limits (ncu:
-L1 82% busy, DRAM 61%, at 16 rows per warp): RB row blocks per warp reuse the x registers, 4 of
-them took gate_up from 46.9 to 42.2 us.
+Metadata. The kernel reads the registers the MMAs take, precomputed per weight (`mma_order_meta`,
+one copy per WPT: the same bytes as meta, 1/8 of the values') and stored in load order, so thread
+(g, q) loads its WPT/2 registers of a step as one 8- or 16-byte vector and hands them over as they
+are. Assembling them in the loop from the stored nibbles (byte (WPT/2) m + c of a row's step holds
+logical groups m and m + 4 of MMA c) took 8 loads and about 13 integer instructions per MMA and
+64 registers at 4 row blocks per warp: at 16 tokens 254 registers against 188 now, and 766 SASS
+instructions per loop body against 276 (Triton 3.6).
+
+Measured (H200, CUDA-graph medians over 3 weight copies), M = 1 / 4 / 8 / 16: gate_up 28672 x 4096
+33.1 / 33.8 / 35.0 / 38.1 us (4.0 TB/s of compressed weight at M = 1), down 4096 x 14336 18.6 /
+19.1 / 20.5 / 22.0 us; with the metadata assembled in the loop 34.0 / 35.4 / 38.4 / 42.3 and
+19.6 / 20.1 / 22.0 / 25.5 (same run); the `prmt` kernel's best 37.2 / 37.6 / 37.3 / 44.7 and
+22.1 / 23.0 / 24.0 / 26.6. At 16 tokens x is the other cost: every warp loads it through L1 (ncu
+at one row block per warp: L1 82% busy, DRAM 61%), so RB row blocks per warp share it in
+registers; 4 of them took gate_up from 46.9 to 42.2 us before the metadata change.
 
 Work split as in the other Gluon decode kernels (engine/kernels/nvfp4_decode_gluon.py, whose K loop
 `stream_steps` and epilogue `store_rows` this kernel runs): num_warps / WK warps split the rows,
@@ -122,21 +127,18 @@ def _with_tokens(v, T: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _meta_register(meta, c: gl.constexpr, WK: gl.constexpr, NB: gl.constexpr):
-    """The metadata register of MMA c, repeated in the 4 registers of the fragment: meta
-    [WK, NB, 8, 4, 8] holds rows g and g + 8 of the step (4 elements of WPT/2 bytes each), shifted
-    right by 4 (q % 2); nibble q % 2 of byte c of element m is logical group 4 (q % 2) + m. Out:
-    bits 0..15 row g, 16..31 row g + 8, a nibble per group."""
-    m = (meta >> (8 * c)) & 0xF
-    m = m.reshape(WK, NB, 8, 4, 2, 2, 2)
-    a, b = gl.split(m)          # element bit 0
-    a0, a1 = gl.split(a)        # element bit 1: a0 = e0, a1 = e2
-    b0, b1 = gl.split(b)        # b0 = e1, b1 = e3
-    r = a0 | (b0 << 4) | (a1 << 8) | (b1 << 12)   # [.., row8]
-    r0, r1 = gl.split(r)
-    v = r0 | (r1 << 16)
-    v = gl.join(v, v)
-    return gl.join(v, v).reshape(WK, NB, 8, 4, 4)
+def _split_last(v, C: gl.constexpr):
+    """[.., C] (C = 1, 2 or 4) -> the C slices along the last dimension, in order."""
+    if C == 1:
+        return (v.reshape(v.shape[:-1]),)
+    elif C == 2:
+        v0, v1 = gl.split(v)
+        return (v0, v1)
+    else:
+        lo, hi = gl.split(v.reshape(v.shape[:-1] + [2, 2]))
+        v0, v2 = gl.split(lo)
+        v1, v3 = gl.split(hi)
+        return (v0, v1, v2, v3)
 
 
 @gluon.jit
@@ -144,9 +146,8 @@ def _mma_sp_step(words, meta, aux, x, acc, WK: gl.constexpr, BLOCK_N: gl.constex
                  WPT: gl.constexpr, MP: gl.constexpr):
     """acc += W_step @ x_step^T for one K step (WPT / 2 sparse MMAs per 16 rows and 8 tokens).
     words [WK, NB, 8, 4, 2 * WPT] (row g then g + 8 of each 16-row block, WPT words each), meta
-    [WK, NB, 8, 4, 8] (rows g, g + 8: their 4 elements of the step), aux: the metadata shift
-    4 (q % 2) in meta's layout, x [WK, 1, T, 8, 4, 2 * WPT] int32 pairs (used for every row block
-    of the warp)."""
+    [WK, NB, 8, 4, WPT / 2] (MMA c's metadata register, as `mma_order_meta` stores it), aux:
+    unused, x [WK, 1, T, 8, 4, 2 * WPT] int32 pairs (used for every row block of the warp)."""
     T: gl.constexpr = MP // 8
     NB: gl.constexpr = BLOCK_N // 16
     frag: gl.constexpr = acc.type.layout
@@ -158,30 +159,14 @@ def _mma_sp_step(words, meta, aux, x, acc, WK: gl.constexpr, BLOCK_N: gl.constex
     x = x.reshape(WK, 1, T, 8, 2, 2, C, 2, 2).permute(0, 1, 2, 3, 4, 8, 6, 7, 5)
     x = gl.convert_layout(x.reshape(WK, 1, T, 8, 4, 2 * WPT), x_layout)
     # words: (row8, c, wb) -> A register 2 * wb + row8 of MMA c
-    w = words.reshape(WK, NB, 8, 4, 2, C, 2).permute(0, 1, 2, 3, 6, 4, 5)
-    xb = x.reshape(WK, 1, T, 8, 4, C, 4).permute(0, 1, 2, 3, 4, 6, 5)
-    meta = meta.to(gl.uint32) >> aux
-    if C == 1:
-        a_regs = (w.reshape(WK, NB, 8, 4, 4),)
-        b_regs = (xb.reshape(WK, 1, T, 8, 4, 4),)
-    elif C == 2:
-        a0, a1 = gl.split(w)
-        b0, b1 = gl.split(xb)
-        a_regs = (a0.reshape(WK, NB, 8, 4, 4), a1.reshape(WK, NB, 8, 4, 4))
-        b_regs = (b0, b1)
-    else:
-        wl, wh = gl.split(w.reshape(WK, NB, 8, 4, 2, 2, 2, 2))
-        a0, a2 = gl.split(wl)
-        a1, a3 = gl.split(wh)
-        xl, xh = gl.split(xb.reshape(WK, 1, T, 8, 4, 4, 2, 2))
-        b0, b2 = gl.split(xl)
-        b1, b3 = gl.split(xh)
-        a_regs = (a0.reshape(WK, NB, 8, 4, 4), a1.reshape(WK, NB, 8, 4, 4),
-                  a2.reshape(WK, NB, 8, 4, 4), a3.reshape(WK, NB, 8, 4, 4))
-        b_regs = (b0, b1, b2, b3)
+    a_regs = _split_last(words.reshape(WK, NB, 8, 4, 2, C, 2).permute(0, 1, 2, 3, 6, 4, 5)
+                         .reshape(WK, NB, 8, 4, 4, C), C)
+    b_regs = _split_last(x.reshape(WK, 1, T, 8, 4, C, 4).permute(0, 1, 2, 3, 4, 6, 5), C)
+    e_regs = _split_last(meta, C)
     for c in gl.static_range(C):
         a = _with_tokens(a_regs[c], T, frag)
-        e = _with_tokens(_meta_register(meta, c, WK, NB).to(gl.int32), T, frag)
+        e = gl.join(e_regs[c], e_regs[c])  # the register in each of the fragment's 4 slots
+        e = _with_tokens(gl.join(e, e).reshape(WK, NB, 8, 4, 4), T, frag)
         b = gl.convert_layout(b_regs[c], frag)
         acc = gl.inline_asm_elementwise(_MMA_SP, _MMA_SP_CONSTRAINTS, [acc, a, b, e], dtype=gl.float32,
                                         is_pure=True, pack=4)
@@ -197,7 +182,7 @@ def sparse24_sp_kernel(
 ):
     """y[M, N] = x @ W^T (times scale[N]) for M <= MP (8 or 16); BLOCK_N = 16 * RB * num_warps / WK
     (RB blocks of 16 rows per row warp, which reuse its x registers). words_ptr: the kept values
-    as int32 [N, K/4]; meta_ptr: [N, K/8] bytes read WPT/2 at a time (u8, u16, u32); x_ptr: x as
+    as int32 [N, K/4]; meta_ptr: the metadata registers, `mma_order_meta(meta, WPT)`; x_ptr: x as
     int32 pairs, stride_xm in pairs. K a multiple of SPLIT_K * WK * 16 * WPT."""
     WN: gl.constexpr = gl.num_warps() // WK
     NB: gl.constexpr = BLOCK_N // 16
@@ -208,7 +193,7 @@ def sparse24_sp_kernel(
     STEPS: gl.constexpr = K_CTA // (WK * STEP_K)  # per warp
     frag: gl.constexpr = _fragments(T, RB, WN, WK)
     w_layout: gl.constexpr = _rows_layout(2 * WPT, RB, WN, WK)
-    m_layout: gl.constexpr = _rows_layout(8, RB, WN, WK)
+    C: gl.constexpr = WPT // 2  # MMAs per step
     x_layout: gl.constexpr = _x_layout(T, 2 * WPT, WN, WK)
 
     pid_n = gl.program_id(0)
@@ -219,18 +204,12 @@ def sparse24_sp_kernel(
     kw, rw, g, q, v = _dims5(WK, NB, 8, 4, 2 * WPT, w_layout)
     rows = gl.minimum(n0 + 16 * rw + g + 8 * (v // WPT), N - 1)
     words_ptrs = words_ptr + k0 // 4 + kw * (4 * WPT) + rows * (K // 4) + WPT * q + v % WPT
-    # meta: the step's 4 elements (WPT/2 bytes each) of rows 16b + g and 16b + g + 8
-    km, rm, gm, qm, e = _dims5(WK, NB, 8, 4, 8, m_layout)
-    rows_m = gl.minimum(n0 + 16 * rm + gm + 8 * (e // 4), N - 1)
-    e = e % 4
-    shift = (4 * (qm % 2) + gl.zeros([WK, NB, 8, 4, 8], gl.int32, layout=m_layout)).to(gl.uint32)
-    if WPT == 8:
-        meta_base = meta_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
-    elif WPT == 4:
-        meta_base = meta_ptr.to(gl.pointer_type(gl.uint16), bitcast=True)
-    else:
-        meta_base = meta_ptr
-    meta_ptrs = meta_base + k0 // STEP_K * 4 + km * 4 + rows_m * (K // STEP_K * 4) + e
+    # meta: int32 [N/16, steps, 8 (g), 2 (q % 2), C] (`mma_order_meta`): thread (g, q) loads the C
+    # registers of its row block's step (threads q = 2, 3 load those of q = 0, 1; the MMA ignores them)
+    ko, ro, go, qo, co = _dims5(WK, NB, 8, 4, C, _rows_layout(C, RB, WN, WK))
+    blocks = gl.minimum(n0 // 16 + ro, (N - 1) // 16)
+    meta_ptrs = (meta_ptr + k0 // STEP_K * (16 * C) + ko * (16 * C) + blocks * (K // STEP_K * 16 * C)
+                 + (go * 2 + qo % 2) * C + co)
     # x pairs of token 8t + g. B register i of MMA c needs stored pair q%2 + 2(i//2) + 4c
     # + 2WPT(q//2) + 4WPT(i%2) of the step: the step is 4 runs of 2 * WPT pairs, run (i%2, q//2);
     # lane q loads run 2 (q % 2) + q // 2 whole (16-byte vectors) and _mma_sp_step swaps halves
@@ -242,8 +221,8 @@ def sparse24_sp_kernel(
 
     acc = gl.zeros([WK, NB, T, 8, 4, 4], gl.float32, layout=frag)
     # x two steps ahead, with the weights: 34.1 against 37.1 us at 28672 x 4096, M = 1 (H200)
-    acc = stream_steps(_mma_sp_step, words_ptrs, meta_ptrs, x_ptrs, shift, acc, STEPS, STEP_K // 2, WK,
-                       BLOCK_N, WPT, MP, X_AHEAD=True)
+    acc = stream_steps(_mma_sp_step, words_ptrs, meta_ptrs, x_ptrs, 0, acc, STEPS, STEP_K // 2, WK, BLOCK_N,
+                       WPT, MP, X_AHEAD=True, S_STEP=16 * C)
     # registers (row8, token bit 0): acc -> [WK, rows, tokens]
     acc = acc.reshape(WK, NB, T, 8, 4, 2, 2).permute(0, 1, 5, 3, 2, 4, 6).reshape(WK, BLOCK_N, MP)
     store_rows_scaled(acc, HAS_SCALE, scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr, count_ptr,
@@ -265,14 +244,34 @@ def unsupported(x, values, meta, cfg) -> str | None:
     return None
 
 
-def launch(x, values, meta, scale, cfg, out):
-    """out[M, N] = x @ W^T (times scale) with config cfg, which `unsupported` accepted."""
+def mma_order_meta(meta: torch.Tensor, wpt: int) -> torch.Tensor:
+    """meta [N, K/8] uint8 (a nibble per group) -> the kernel's metadata registers at WPT = wpt,
+    int32 [ceil(N/16), K/(16 wpt), 8 (g), 2 (q), wpt/2 (MMA c)]: the register thread (g, q) of a
+    16-row block passes to MMA c of a K step (rows g and g + 8, logical groups 4q .. 4q + 3, a
+    nibble each; logical group j of MMA c is stored group wpt (j % 4) + 2c + j // 4 of the step).
+    Rows past N are zero. The same bytes as meta, in the order the kernel loads them."""
+    n, k = meta.shape[0], meta.shape[1] * 8
+    steps, c = k // (16 * wpt), wpt // 2
+    nib = torch.stack([meta & 15, meta >> 4], dim=-1).reshape(n, k // 4).long()
+    nib = torch.cat([nib, nib.new_zeros(-n % 16, k // 4)]).view(-1, 2, 8, steps, 4 * wpt)
+    j = torch.arange(8, device=meta.device)
+    stored = wpt * (j % 4)[None, :] + 2 * torch.arange(c, device=meta.device)[:, None] + (j // 4)[None, :]
+    groups = nib[..., stored].view(-1, 2, 8, steps, c, 2, 4)  # [.., row8, g, step, c, q, i]: j = 4q + i
+    reg = (groups << (4 * torch.arange(4, device=meta.device))).sum(-1)
+    reg = reg[:, 0] | (reg[:, 1] << 16)  # [blocks, g, step, c, q]
+    reg = torch.where(reg >= 2**31, reg - 2**32, reg).to(torch.int32)
+    return reg.permute(0, 2, 1, 4, 3).contiguous()
+
+
+def launch(x, values, meta_mma, scale, cfg, out):
+    """out[M, N] = x @ W^T (times scale) with config cfg, which `unsupported` accepted; meta_mma:
+    `mma_order_meta(meta, WPT)`."""
     _, _, bn, wpt, split_k, warps, wk = cfg
     m, k = x.shape
     n = values.shape[0]
     grid, acc, count, words = launch_setup(x, values, out, bn, split_k)
     sparse24_sp_kernel[grid](
-        x.view(torch.int32), words, meta, scale if scale is not None else words, out, acc, count, m, n,
+        x.view(torch.int32), words, meta_mma, scale if scale is not None else words, out, acc, count, m, n,
         x.stride(0) // 2, out.stride(0), K=k, BLOCK_N=bn, WPT=wpt, MP=8 if m <= 8 else 16, WK=wk,
         SPLIT_K=split_k, HAS_SCALE=scale is not None, num_warps=warps)
     return out
