@@ -2,7 +2,8 @@
 
 Measures, in the same process: the HBM copy bandwidth and the bf16 / fp8 dense GEMM rates (the
 ceilings); then for M in {1, 16, 128, 1024, 8192} the FFN block (gate_up GEMM -> SwiGLU -> down GEMM)
-dense bf16 (cuBLAS) vs 2:4 bf16, and FP8 dense (per-token x per-channel torch._scaled_mm) vs 2:4+FP8,
+dense bf16 (cuBLAS) vs 2:4 bf16 (as the model runs it: the SwiGLU in gate_up's epilogue at decode
+sizes; also with the SwiGLU kernel after gate_up, for comparison), and FP8 dense (per-token x per-channel torch._scaled_mm) vs 2:4+FP8,
 eager and as a replayed CUDA graph; then every GEMM variant on its own. Each variant is checked
 against a float reference first. Times are medians of triton.testing.do_bench, which flushes L2
 before every repetition, so weights and activations come from HBM each time.
@@ -140,9 +141,14 @@ def ffn_blocks(w):
 
     def feed(forward, h):
         return forward(*h) if isinstance(h, tuple) else forward(h)
+
+    def sparse_swiglu(x):  # as Linear.swiglu: the GEMM's SwiGLU epilogue where it runs (decode)
+        h = gu.sp.swiglu_forward(x)
+        return swiglu(gu.sp.forward(x)) if h is None else h
     return {
         "dense bf16": lambda x: F.linear(swiglu(F.linear(x, gu.dense)), dn.dense),
-        "2:4 bf16": lambda x: dn.sp.forward(swiglu(gu.sp.forward(x))),
+        "2:4 bf16": lambda x: dn.sp.forward(sparse_swiglu(x)),
+        "2:4 bf16, SwiGLU kernel": lambda x: dn.sp.forward(swiglu(gu.sp.forward(x))),
         "fp8 dense": lambda x: dn.fp8_dense(*swiglu(gu.fp8_dense(x), "fp8")),
         "2:4+fp8": lambda x: feed(dn.sp8.forward, swiglu(gu.sp8.forward(x), dn.sp8.input_quant)),
     }
@@ -185,6 +191,13 @@ def main():
                 checks[f"{name}|{m}|{vname}"] = err
                 if err is None or not err < tol:
                     log(f"CHECK FAIL {name} M={m} {vname}: rel err {err} (tol {tol})")
+    for m in ms:  # the fused SwiGLU epilogue against the GEMM + SwiGLU kernel
+        x = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
+        blocks = ffn_blocks(w)
+        key = f"ffn|{m}|2:4 bf16 vs SwiGLU kernel"
+        checks[key] = err = rel(blocks["2:4 bf16"](x), blocks["2:4 bf16, SwiGLU kernel"](x).float())
+        if not err < 8e-3:
+            log(f"CHECK FAIL {key}: rel err {err}")
     bad = [k for k, e in checks.items() if e is not None and not e < 6e-2]
     log(f"checks: {len(checks)} run, {sum(e is None for e in checks.values())} unavailable, {len(bad)} over tolerance")
 
@@ -228,14 +241,14 @@ def steady(res, w, gen, ms):
     blocks = [ffn_blocks(c) for c in copies]
     res["steady"] = out = {}
     print("\nFFN block in steady state (graph of blocks over 3 weight copies), median us:\n")
-    print("| M | dense bf16 | 2:4 bf16 | x | fp8 dense | 2:4+fp8 | x vs bf16 |")
-    print("|---|---|---|---|---|---|---|")
+    print("| M | dense bf16 | 2:4 bf16 | x | 2:4 bf16, SwiGLU kernel | fp8 dense | 2:4+fp8 | x vs bf16 |")
+    print("|---|---|---|---|---|---|---|---|")
     for m in ms:
         x = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
         t = {b: time_graph(lambda i: blocks[i][b](x), [0, 1, 2]) * 1e6 for b in blocks[0]}
         out[m] = t
         print(f"| {m} | {t['dense bf16']:.1f} | {t['2:4 bf16']:.1f} | {t['dense bf16'] / t['2:4 bf16']:.2f} | "
-              f"{t['fp8 dense']:.1f} | {t['2:4+fp8']:.1f} | {t['dense bf16'] / t['2:4+fp8']:.2f} |", flush=True)
+              f"{t['2:4 bf16, SwiGLU kernel']:.1f} | {t['fp8 dense']:.1f} | {t['2:4+fp8']:.1f} | {t['dense bf16'] / t['2:4+fp8']:.2f} |", flush=True)
 
 
 def fmt(t):
@@ -260,6 +273,8 @@ def report(res, w, ms):
         cells = [f"{fmt(v.get('eager'))} / {fmt(v.get('graph'))}" for v in r.values()]
         print(f"| {m} | {cells[0]} | {cells[1]} | {sx('dense bf16', '2:4 bf16')} | {cells[2]} | "
               f"{sx('dense bf16', 'fp8 dense')} | {cells[3]} | {sx('dense bf16', '2:4+fp8')} | {sx('fp8 dense', '2:4+fp8')} |")
+    print("\n2:4 bf16 with the SwiGLU kernel after gate_up instead of the GEMM's SwiGLU epilogue, graph us: "
+          + ", ".join(f"M={m} {fmt(res['ffn'][f'{m}|2:4 bf16, SwiGLU kernel'].get('graph'))}" for m in ms))
     print("\nDispatch chosen by timing (kind, N, K, M bucket):", res["dispatch"])
     print("Decode-kernel configs chosen (M bucket, N, K, x dtype, value dtype, scaled):", res["tuned"])
     print("Decode-kernel candidates, median us:")

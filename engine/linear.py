@@ -34,6 +34,11 @@ class LinearBackend:
         """Bytes a matmul reads from device memory for the weight (values, scales, metadata)."""
         raise NotImplementedError
 
+    def swiglu_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """For a fused gate/up weight ([gate | up] rows): silu(gate) * up [M, N/2] computed in the
+        GEMM itself, or None where this backend does not (then the SwiGLU kernel runs after it)."""
+        return None
+
 
 class DenseWeight(LinearBackend):
     name = "dense"
@@ -94,6 +99,17 @@ class Linear(nn.Module):
         shape = x.shape
         y = self.backend.forward(x.reshape(-1, shape[-1]))
         return y.reshape(*shape[:-1], self.out_features)
+
+    def swiglu(self, x: torch.Tensor, quant: str | None = None):
+        """silu(gate) * up of this gate/up projection's output (rows [0, N/2) gate, [N/2, N) up):
+        in the GEMM's epilogue where the backend fuses it, else the SwiGLU kernel after the GEMM
+        (with quant="fp8": e4m3 and a per-row scale, for an FP8 down projection)."""
+        from engine.kernels.swiglu import swiglu
+        if quant is None and not isinstance(x, tuple):
+            h = self.backend.swiglu_forward(x.reshape(-1, x.shape[-1]))
+            if h is not None:
+                return h.reshape(*x.shape[:-1], self.out_features // 2)
+        return swiglu(self(x), quant)
 
     def convert(self, fmt: str, **kwargs) -> None:
         """Replace the dense weight by backend `fmt` built from it (kwargs go to its from_dense)."""

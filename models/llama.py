@@ -14,7 +14,6 @@ from torch import nn
 from engine.kernels import attention as attn_ops
 from engine.kernels.norms import rms_norm
 from engine.kernels.rope import apply_rope, rope_inv_freq
-from engine.kernels.swiglu import swiglu
 from engine.linear import Linear
 from models.presets import LlamaConfig
 
@@ -91,8 +90,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, device, dtype)
 
     def forward(self, x):
-        # With an FP8 down_proj the SwiGLU product leaves the kernel as e4m3: it is never stored in bf16.
-        return self.down_proj(swiglu(self.gate_up_proj(x), self.down_proj.input_quant))
+        # With an FP8 down_proj the SwiGLU product leaves the kernel as e4m3: it is never stored in
+        # bf16. A 2:4 gate_up at decode computes it in the GEMM's epilogue (Linear.swiglu).
+        return self.down_proj(self.gate_up_proj.swiglu(x, self.down_proj.input_quant))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -285,6 +285,41 @@ def test_gpu_sparse_mma_kernel(m):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
+def test_gpu_sparse_mma_swiglu_epilogue(m):
+    # silu(gate) * up from the GEMM's epilogue: every candidate that can run it, on the 8B gate_up
+    # shape and on F = 1040 (a tail: 1040 gate rows are not a multiple of any program's 32..128),
+    # against float64 of the pruned weight; outputs poisoned first. Then through the backend and
+    # Linear.swiglu, which the model calls.
+    from engine.kernels import sparse24_sp_gluon as sp
+    from engine.kernels.swiglu import swiglu_ref
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("sm_90 kernel")
+    for f, k in ((14336, 4096), (1040, 1024)):
+        w, x = _gpu_case(m, 2 * f, k, 11 * m + f)
+        t = s24.compress_24(w)
+        metas = s24.mma_order_metas(t)
+        y = x.double() @ w.double().t()
+        ref = torch.nn.functional.silu(y[:, :f]) * y[:, f:]
+        cfgs = [c for c in s24._SP + s24._SP8 + s24._SP16 if sp.swiglu_unsupported(x, t.values, t.meta, c) is None]
+        assert len(cfgs) >= 5
+        for cfg in cfgs:
+            out = torch.full((m, f), float("nan"), device="cuda", dtype=torch.bfloat16)
+            sp.launch(x, t.values, metas[cfg[3]], None, cfg, out, swiglu=True)
+            torch.cuda.synchronize()
+            assert not torch.isnan(out).any(), cfg
+            assert rel_err(out, ref) < 8e-3, (cfg, f, k)
+    lin = Linear(k, 2 * f, device="cuda", dtype=torch.bfloat16)
+    lin.weight.data.copy_(w)
+    lin.backend = s24.Sparse24Weight.from_dense(w)
+    fused = lin.swiglu(x)
+    assert fused.shape == (m, f) and rel_err(fused, ref) < 8e-3
+    assert rel_err(fused, swiglu_ref(lin(x))) < 8e-3  # the unfused path, GEMM then SwiGLU kernel
+    assert s24._TUNED[("swiglu", s24._m_bucket(m), 2 * f, k)][0] == "sp"
+    assert (s24._m_bucket(m), 2 * f, k) in s24._SWIGLU_FUSED  # timed against the unfused path
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", GPU_SHAPES)
 def test_gpu_backends_all_paths(m, n, k):
     torch.manual_seed(m + n + k)
@@ -405,6 +440,13 @@ def test_sparse_mma_kernel_compiles_for_sm90():
         assert body.count("ld.global.v4.b32") == 2 * per_step, wpt
         assert body.count("ld.global.v2.b32") == (2 * rb if wpt == 4 else 0)
         assert not re.search(r"\b(and|or|shr|shl|prmt|bfe)\.b32", body)
+        if rb >= 2 and split == 1:  # the SwiGLU epilogue leaves the loop as it is
+            fused = compile_sm90(sparse24_sp_kernel, args, dict(K=8192, BLOCK_N=16 * rb * warps // wk, WPT=wpt,
+                                                                MP=mp, WK=wk, SPLIT_K=1, HAS_SCALE=False,
+                                                                SWIGLU=True), num_warps=warps)
+            fused_loops = ptx_loops(fused)
+            assert len(fused_loops) == 1 and fused_loops[0].count("mma.sp") == body.count("mma.sp")
+            assert "ex2.approx" in fused and fused.count("st.global") * 2 == ptx.count("st.global")
         assert body.count("shfl.sync.bfly.b32") == 2 * (mp // 8) * wpt
         assert "shared" not in body and "bar.sync" not in body
 

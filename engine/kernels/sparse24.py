@@ -296,13 +296,62 @@ def sparse24_mm(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
         return _launch(x, values, meta, scale, config, out, meta_mma)
     bucket = _m_bucket(x.shape[0])
     key = (bucket, values.shape[0], x.shape[1], x.dtype, values.dtype, scale is not None)
+    cfg = _tuned(key, _DECODE_CONFIGS[bucket], x,
+                 lambda c, out=None: _launch(x, values, meta, scale, c, out, meta_mma))
+    return _launch(x, values, meta, scale, cfg, out, meta_mma)
+
+
+# Per (M bucket, N, K): whether the SwiGLU epilogue beat the GEMM + SwiGLU kernel, timed on first
+# use. H200, Llama-3.1-8B gate_up, one call after an L2 flush: fused 44.0 us against 43.7 for the
+# GEMM alone at M = 1 (the SwiGLU kernel and its launch saved), but 46.5 / 51.3 against 45.3 / 48.1
+# at 8 / 16 tokens, where it needs an even number of row blocks per warp and SPLIT_K = 1.
+_SWIGLU_FUSED: dict[tuple, bool] = {}
+
+
+def sparse24_swiglu_mm(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
+                       meta_mma: dict) -> torch.Tensor | None:
+    """silu(gate) * up [M, N/2] of y = x @ W^T, W a 2:4-compressed fused gate/up projection (rows
+    [0, N/2) gate, [N/2, N) up, bf16), in one launch of the sparse-MMA kernel (its SwiGLU
+    epilogue); None where no candidate configuration of M's bucket can run it, or where the GEMM
+    followed by the SwiGLU kernel was faster when timed."""
+    from engine.kernels import sparse24_sp_gluon as sp
+    from engine.kernels.swiglu import swiglu
+    if _interpreting() or not x.is_cuda:
+        return None
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    bucket = _m_bucket(x.shape[0])
+    key = (bucket, values.shape[0], x.shape[1])
+    if _SWIGLU_FUSED.get(key) is False:
+        return None
+    candidates = [c for c in _DECODE_CONFIGS.get(bucket, ()) if c[0] == "sp" and c[3] in meta_mma
+                  and sp.swiglu_unsupported(x, values, meta, c) is None]
+    if not candidates:
+        return None
+
+    def run(c, out=None):
+        out = out if out is not None else torch.empty(x.shape[0], values.shape[0] // 2, dtype=x.dtype,
+                                                      device=x.device)
+        return sp.launch(x, values, meta_mma[c[3]], None, c, out, swiglu=True)
+    cfg = _tuned(("swiglu",) + key, candidates, x, run)
+    if key not in _SWIGLU_FUSED and ("swiglu",) + key in _TUNED:
+        unfused = _time_ms(lambda: swiglu(sparse24_mm(x, values, meta, meta_mma=meta_mma)))
+        _SWIGLU_FUSED[key] = _time_ms(lambda: run(cfg)) <= unfused
+        if not _SWIGLU_FUSED[key]:
+            return None
+    return run(cfg)
+
+
+def _tuned(key: tuple, candidates: list, x: torch.Tensor, run) -> tuple:
+    """The fastest of `candidates` for `key`, timed on first use (run(config) launches one); the
+    first candidate, untimed, under the interpreter, off CUDA or during CUDA-graph capture."""
     cfg = _TUNED.get(key)
     if cfg is None:
-        candidates = _DECODE_CONFIGS[bucket]
         if _interpreting() or not x.is_cuda or torch.cuda.is_current_stream_capturing():
-            return _launch(x, values, meta, scale, candidates[0], out, meta_mma)
+            return candidates[0]
+
         def time(c):
-            return _time_ms(lambda: _launch(x, values, meta, scale, c, None, meta_mma))
+            return _time_ms(lambda: run(c))
         times = {c: time(c) for c in candidates}
         # One timing each picked the slower of two close configurations (1-3 us apart at 16 tokens):
         # the three fastest are timed again and ranked by the mean of both timings.
@@ -310,7 +359,7 @@ def sparse24_mm(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
             times[c] = (times[c] + time(c)) / 2
         TUNE_TIMES[key] = times
         cfg = _TUNED[key] = min(candidates, key=times.get)
-    return _launch(x, values, meta, scale, cfg, out, meta_mma)
+    return cfg
 
 
 def mma_order_metas(t: "Sparse24Tensor") -> dict | None:
@@ -467,6 +516,12 @@ class Sparse24Weight(LinearBackend):
 
     def decode(self, x):
         return sparse24_mm(x, self.values, self.meta, meta_mma=self.meta_mma)
+
+    def swiglu_forward(self, x):
+        """silu(gate) * up in the GEMM's epilogue at decode sizes (sparse24_swiglu_mm), else None."""
+        if self.meta_mma is None or x.shape[0] > DECODE_MAX_M:
+            return None
+        return sparse24_swiglu_mm(x, self.values, self.meta, self.meta_mma)
 
     def prefill(self, x):
         return cslt_mm(self.packed, x, self.out_features)

@@ -178,12 +178,16 @@ def sparse24_sp_kernel(
     x_ptr, words_ptr, meta_ptr, scale_ptr, out_ptr, acc_ptr, count_ptr,
     M, N, stride_xm, stride_om, K: gl.constexpr,
     BLOCK_N: gl.constexpr, WPT: gl.constexpr, MP: gl.constexpr, WK: gl.constexpr,
-    SPLIT_K: gl.constexpr, HAS_SCALE: gl.constexpr,
+    SPLIT_K: gl.constexpr, HAS_SCALE: gl.constexpr, SWIGLU: gl.constexpr = False,
 ):
     """y[M, N] = x @ W^T (times scale[N]) for M <= MP (8 or 16); BLOCK_N = 16 * RB * num_warps / WK
     (RB blocks of 16 rows per row warp, which reuse its x registers). words_ptr: the kept values
     as int32 [N, K/4]; meta_ptr: the metadata registers, `mma_order_meta(meta, WPT)`; x_ptr: x as
-    int32 pairs, stride_xm in pairs. K a multiple of SPLIT_K * WK * 16 * WPT."""
+    int32 pairs, stride_xm in pairs. K a multiple of SPLIT_K * WK * 16 * WPT.
+    SWIGLU: W is a fused gate/up projection (rows [0, N/2) gate, [N/2, N) up, N/2 a multiple of
+    16) and y [M, N/2] = silu(gate) * up. A program takes BLOCK_N / 2 gate rows and the same up
+    rows, its row blocks alternating gate, up, so that each thread holds both of an output in
+    registers (RB even, SPLIT_K = 1); the product is formed before the one store."""
     WN: gl.constexpr = gl.num_warps() // WK
     NB: gl.constexpr = BLOCK_N // 16
     RB: gl.constexpr = NB // WN
@@ -201,13 +205,22 @@ def sparse24_sp_kernel(
     n0 = pid_n * BLOCK_N
     k0 = pid_k * K_CTA
     # words: thread (g, q), row block b: rows 16b + g (+ 8), stored words WPT*q .. of each step
+    # (SWIGLU: block b is gate block b // 2 of the program's, or its up block where b is odd)
     kw, rw, g, q, v = _dims5(WK, NB, 8, 4, 2 * WPT, w_layout)
-    rows = gl.minimum(n0 + 16 * rw + g + 8 * (v // WPT), N - 1)
+    if SWIGLU:
+        gl.static_assert(RB % 2 == 0 and SPLIT_K == 1 and not HAS_SCALE)
+        F = N // 2
+        rows = gl.minimum(n0 // 2 + 16 * (rw // 2) + g + 8 * (v // WPT), F - 1) + (rw % 2) * F
+    else:
+        rows = gl.minimum(n0 + 16 * rw + g + 8 * (v // WPT), N - 1)
     words_ptrs = words_ptr + k0 // 4 + kw * (4 * WPT) + rows * (K // 4) + WPT * q + v % WPT
     # meta: int32 [N/16, steps, 8 (g), 2 (q % 2), C] (`mma_order_meta`): thread (g, q) loads the C
     # registers of its row block's step (threads q = 2, 3 load those of q = 0, 1; the MMA ignores them)
     ko, ro, go, qo, co = _dims5(WK, NB, 8, 4, C, _rows_layout(C, RB, WN, WK))
-    blocks = gl.minimum(n0 // 16 + ro, (N - 1) // 16)
+    if SWIGLU:
+        blocks = gl.minimum(n0 // 32 + ro // 2, (N // 2 - 1) // 16) + (ro % 2) * (N // 32)
+    else:
+        blocks = gl.minimum(n0 // 16 + ro, (N - 1) // 16)
     meta_ptrs = (meta_ptr + k0 // STEP_K * (16 * C) + ko * (16 * C) + blocks * (K // STEP_K * 16 * C)
                  + (go * 2 + qo % 2) * C + co)
     # x pairs of token 8t + g. B register i of MMA c needs stored pair q%2 + 2(i//2) + 4c
@@ -223,10 +236,18 @@ def sparse24_sp_kernel(
     # x two steps ahead, with the weights: 34.1 against 37.1 us at 28672 x 4096, M = 1 (H200)
     acc = stream_steps(_mma_sp_step, words_ptrs, meta_ptrs, x_ptrs, 0, acc, STEPS, STEP_K // 2, WK, BLOCK_N,
                        WPT, MP, X_AHEAD=True, S_STEP=16 * C)
-    # registers (row8, token bit 0): acc -> [WK, rows, tokens]
-    acc = acc.reshape(WK, NB, T, 8, 4, 2, 2).permute(0, 1, 5, 3, 2, 4, 6).reshape(WK, BLOCK_N, MP)
-    store_rows_scaled(acc, HAS_SCALE, scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr, count_ptr,
-                      BLOCK_N, MP, SPLIT_K)
+    if SWIGLU:  # row blocks (2j, 2j + 1) = (gate, up) of output block j, in one thread's registers
+        gate, up = gl.split(acc.reshape(WK, NB // 2, 2, T, 8, 4, 4).permute(0, 1, 3, 4, 5, 6, 2))
+        gate = gl.sum(gate, axis=0)
+        h = gl.expand_dims(gate / (1.0 + gl.exp(-gate)) * gl.sum(up, axis=0), 0)
+        h = h.reshape(1, NB // 2, T, 8, 4, 2, 2).permute(0, 1, 5, 3, 2, 4, 6).reshape(1, BLOCK_N // 2, MP)
+        store_rows_scaled(h, False, scale_ptr, n0 // 2, pid_n, M, N // 2, out_ptr, stride_om, acc_ptr,
+                          count_ptr, BLOCK_N // 2, MP, 1)
+    else:
+        # registers (row8, token bit 0): acc -> [WK, rows, tokens]
+        acc = acc.reshape(WK, NB, T, 8, 4, 2, 2).permute(0, 1, 5, 3, 2, 4, 6).reshape(WK, BLOCK_N, MP)
+        store_rows_scaled(acc, HAS_SCALE, scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr, count_ptr,
+                          BLOCK_N, MP, SPLIT_K)
 
 
 def unsupported(x, values, meta, cfg) -> str | None:
@@ -263,9 +284,22 @@ def mma_order_meta(meta: torch.Tensor, wpt: int) -> torch.Tensor:
     return reg.permute(0, 2, 1, 4, 3).contiguous()
 
 
-def launch(x, values, meta_mma, scale, cfg, out):
+def swiglu_unsupported(x, values, meta, cfg) -> str | None:
+    """Why the kernel cannot compute silu(gate) * up of the fused gate/up weight with cfg, or None."""
+    reason = unsupported(x, values, meta, cfg)
+    if reason:
+        return reason
+    _, _, bn, wpt, split_k, warps, wk = cfg
+    if split_k != 1 or bn // (16 * (warps // wk)) < 2:
+        return "SwiGLU epilogue: SPLIT_K = 1 and at least 2 row blocks per warp"
+    if values.shape[0] % 32:
+        return "SwiGLU epilogue: gate / up rows not a multiple of 16"
+    return None
+
+
+def launch(x, values, meta_mma, scale, cfg, out, swiglu=False):
     """out[M, N] = x @ W^T (times scale) with config cfg, which `unsupported` accepted; meta_mma:
-    `mma_order_meta(meta, WPT)`."""
+    `mma_order_meta(meta, WPT)`. swiglu: out [M, N/2] = silu(gate) * up (`swiglu_unsupported`)."""
     _, _, bn, wpt, split_k, warps, wk = cfg
     m, k = x.shape
     n = values.shape[0]
@@ -273,5 +307,5 @@ def launch(x, values, meta_mma, scale, cfg, out):
     sparse24_sp_kernel[grid](
         x.view(torch.int32), words, meta_mma, scale if scale is not None else words, out, acc, count, m, n,
         x.stride(0) // 2, out.stride(0), K=k, BLOCK_N=bn, WPT=wpt, MP=8 if m <= 8 else 16, WK=wk,
-        SPLIT_K=split_k, HAS_SCALE=scale is not None, num_warps=warps)
+        SPLIT_K=split_k, HAS_SCALE=scale is not None, SWIGLU=swiglu, num_warps=warps)
     return out
