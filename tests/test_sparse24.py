@@ -363,54 +363,16 @@ def test_gpu_outputs_fully_written(m, n, k):
     w, x = _gpu_case(m, n, k, 11 * m)
     t = s24.compress_24(w)
     q, scale = quantize_rows_fp8(t.values)
+    metas = s24.mma_order_metas(t)
     for cfg in s24._DECODE_CONFIGS[s24._m_bucket(m)]:
         for values, sc in ((t.values, None), (q, scale)):
             out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-            s24.sparse24_mm(x, values, t.meta, sc, config=cfg, out=out)
+            s24.sparse24_mm(x, values, t.meta, sc, config=cfg, out=out, meta_mma=metas)
             torch.cuda.synchronize()
             assert not torch.isnan(out).any(), cfg
 
 
-# ----------------------------------------------------------------------------- Gluon decode kernel (CPU compile)
-
-def _compile_gluon_sm90(**constexprs):
-    from gluon_ptx import compile_sm90
-    from engine.kernels.sparse24_gluon import sparse24_decode_kernel
-    args = dict(x_ptr="*bf16", words_ptr="*i32", meta_ptr="*u8", scale_ptr="*fp32", out_ptr="*bf16",
-                acc_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", stride_xm="i32", stride_om="i32")
-    return compile_sm90(sparse24_decode_kernel, args, {"SPLIT_K": 1, "HAS_SCALE": False, **constexprs})
-
-
-def test_gluon_decode_kernel_compiles_for_sm90():
-    # The K loop is mma.sync on registers only: per thread, row pair and step WPT kept-value words
-    # (16 bytes at WPT = 4) load straight into the A-operand registers, x as 16-byte vectors; no
-    # shared memory in the loop, none at all where the warps split rows only (WK = 1); with WK = 4
-    # the warps' K slices meet once, after the loop.
-    pytest.importorskip("triton.experimental.gluon.language.nvidia.ampere")
-    from gluon_ptx import ptx_loops
-    for block_n, wk, mp, wpt in ((64, 1, 8, 4), (16, 4, 16, 4), (32, 2, 8, 8)):
-        ptx = _compile_gluon_sm90(K=4096, BLOCK_N=block_n, WPT=wpt, MP=mp, WK=wk)
-        loops = ptx_loops(ptx)
-        assert len(loops) == 1, len(loops)
-        body = loops[0]
-        blocks = block_n // (16 * (4 // wk))  # 16-row blocks per warp
-        # 2 K steps of 16 * WPT per body: WPT // 4 word vectors per row pair and block, WPT // 2 x
-        # vectors per 8-token tile; WPT k16 MMAs per block and token tile
-        assert body.count("ld.global.v4.b32") == 2 * (2 * blocks * wpt // 4 + (mp // 8) * wpt // 2)
-        assert body.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 2 * wpt * blocks * (mp // 8)
-        assert body.count("prmt.b32") >= 2 * 2 * 2 * blocks * wpt  # 2 per group and row
-        assert "shared" not in body and "bar.sync" not in body
-        shared = ptx.count("ld.shared") + ptx.count("st.shared")
-        assert (shared == 0) if wk == 1 else (shared > 0), shared
-    # Small K: one K step per warp (K = 64, WPT 4; 256 over 2 warps at WPT 8), odd step counts (704)
-    for k, block_n, wk, wpt in ((64, 64, 1, 4), (256, 32, 2, 8), (704, 64, 1, 4), (96, 64, 1, 2)):
-        ptx = _compile_gluon_sm90(K=k, BLOCK_N=block_n, WPT=wpt, MP=8, WK=wk, HAS_SCALE=True)
-        assert "mma.sync.aligned.m16n8k16" in ptx, k
-    # Split-K: the partial sums meet in one launch (atomics, a CTA barrier: thread_barrier in
-    # Triton 3.6, barrier later; both compile).
-    ptx = _compile_gluon_sm90(K=14336, BLOCK_N=16, WPT=4, MP=8, WK=4, SPLIT_K=4)
-    assert "atom." in ptx or "red." in ptx
-
+# ----------------------------------------------------------------------------- Gluon sparse-MMA kernel (CPU compile)
 
 def test_sparse_mma_kernel_compiles_for_sm90():
     # mma.sp on the stored words: per K step of 16 * WPT and 8-token tile WPT/2 sparse k32 MMAs,
@@ -440,6 +402,8 @@ def test_sparse_mma_kernel_compiles_for_sm90():
         assert body.count("ld.global.v4.b32") == 2 * per_step, wpt
         assert body.count("ld.global.v2.b32") == (2 * rb if wpt == 4 else 0)
         assert not re.search(r"\b(and|or|shr|shl|prmt|bfe)\.b32", body)
+        assert body.count("shfl.sync.bfly.b32") == 2 * (mp // 8) * wpt
+        assert "shared" not in body and "bar.sync" not in body
         if rb >= 2 and split == 1:  # the SwiGLU epilogue leaves the loop as it is
             fused = compile_sm90(sparse24_sp_kernel, args, dict(K=8192, BLOCK_N=16 * rb * warps // wk, WPT=wpt,
                                                                 MP=mp, WK=wk, SPLIT_K=1, HAS_SCALE=False,
@@ -447,8 +411,17 @@ def test_sparse_mma_kernel_compiles_for_sm90():
             fused_loops = ptx_loops(fused)
             assert len(fused_loops) == 1 and fused_loops[0].count("mma.sp") == body.count("mma.sp")
             assert "ex2.approx" in fused and fused.count("st.global") * 2 == ptx.count("st.global")
-        assert body.count("shfl.sync.bfly.b32") == 2 * (mp // 8) * wpt
-        assert "shared" not in body and "bar.sync" not in body
+    # Small K: one K step per warp (K = 64 at WPT 4; 256 over 2 warps at WPT 8), odd step counts
+    # (704 = 11 steps of 64), WPT 2
+    for k, wpt, wk, warps in ((64, 4, 1, 4), (256, 8, 2, 4), (704, 4, 1, 4), (96, 2, 1, 4)):
+        ptx = compile_sm90(sparse24_sp_kernel, args, dict(K=k, BLOCK_N=16 * warps // wk, WPT=wpt, MP=8, WK=wk,
+                                                          SPLIT_K=1, HAS_SCALE=True), num_warps=warps)
+        assert "mma.sp.sync.aligned.m16n8k32" in ptx, k
+    # Split-K: the partial sums meet in one launch (atomics, a CTA barrier: thread_barrier in
+    # Triton 3.6, barrier later; both compile).
+    ptx = compile_sm90(sparse24_sp_kernel, args, dict(K=14336, BLOCK_N=16, WPT=4, MP=8, WK=4, SPLIT_K=4,
+                                                      HAS_SCALE=False), num_warps=4)
+    assert "atom." in ptx or "red." in ptx
 
 
 def test_mma_order_meta_is_the_registers_the_kernel_passes():
@@ -474,8 +447,8 @@ def test_mma_order_meta_is_the_registers_the_kernel_passes():
     assert s24.mma_order_metas(s24.compress_24(s24.prune_24(torch.randn(32, 256)))) is None  # CPU
 
 
-def test_gluon_configs_are_decode_candidates():
-    gluon = [c for c in s24._DECODE_CONFIGS[1] if c[0] == "gluon"]
-    assert gluon and all(any(c[0] == "gluon" for c in s24._DECODE_CONFIGS[b]) for b in (1, 4, 8, 16))
+def test_sparse_mma_configs_are_decode_candidates():
     for bucket in (1, 4, 8, 16):
-        assert s24._DECODE_CONFIGS[bucket][0][0] != "gluon"  # the untuned default runs anywhere
+        assert any(c[0] == "sp" for c in s24._DECODE_CONFIGS[bucket])
+        assert s24._DECODE_CONFIGS[bucket][0][0] == "mma"  # the untuned default runs anywhere
+    assert all(c[0] != "sp" for b in (32, 64, 128) for c in s24._DECODE_CONFIGS[b])

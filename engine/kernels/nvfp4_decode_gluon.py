@@ -25,7 +25,7 @@ Design (Marlin-style, every operand in registers; explicit layouts, checked at c
 - Two K steps in flight per warp: the loop body computes steps i, i+1 and refills their registers
   with steps i+2, i+3 (plain loads; the pointers advance once per body and each step is a
   constant offset folded into the load). `stream_pointers` and `stream_steps` (the loop, with the
-  per-step decode passed in) also run the 2:4 kernel of engine/kernels/sparse24_gluon.py.
+  per-step step function passed in) also run the 2:4 kernel of engine/kernels/sparse24_sp_gluon.py.
 - Work split: a program is `num_warps` warps over BLOCK_N rows; WK of them split K (warp w takes
   K steps w, w + WK, ..: neighbouring chunks of the same rows) and the other num_warps / WK split
   the rows; the WK partial sums meet once, after the loop, through shared memory (`gl.sum` over

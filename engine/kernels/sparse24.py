@@ -4,11 +4,13 @@ W [N, K] keeps 2 of every 4 consecutive entries along K (the input dimension). S
 the kept values [N, K/2] plus a 4-bit nibble per group (two 2-bit positions), 56% of dense bf16.
 
 Two regimes, two kinds of kernel, one dispatch:
-- decode (small M): `sparse24_mm`, Triton kernels (sparse24_triton.py) that stream the compressed
-  weight, ~56% of the dense bytes with bf16 values or ~31% with fp8 values (weight-only: the
-  activations stay bf16), tuned per shape. Measured on an H200 at M = 1..16 the word-per-thread
-  MMA kernel wins (one 32-bit word and one nibble per thread, row and k16 step, decoded by two
-  `prmt`): ~2.7-3.0 TB/s of compressed weight at the Llama-3.1-8B FFN shapes.
+- decode (small M): `sparse24_mm`, kernels that stream the compressed weight, ~56% of the dense
+  bytes with bf16 values or ~31% with fp8 values (weight-only: the activations stay bf16), tuned
+  per shape. On sm_90 with bf16 values the Gluon sparse-MMA kernel (sparse24_sp_gluon.py: mma.sp
+  on the stored values, metadata registers precomputed per weight) wins at M = 1..16, 3.0-4.0 TB/s
+  of compressed weight at the Llama-3.1-8B FFN shapes, and can finish gate_up with the SwiGLU
+  (`sparse24_swiglu_mm`); elsewhere the Triton kernels (sparse24_triton.py) run, the word-per-thread
+  MMA kernel fastest (~2.7-3.0 TB/s on the H200).
 - prefill (large M): sparse tensor cores. bf16 goes through cuSPARSELt (torch._cslt_sparse_mm) with
   the weight compressed once at load and the algorithm searched once per shape; FP8 goes through
   torchao's CUTLASS sm90 2:4 kernel with per-token activation scales.
@@ -136,24 +138,15 @@ def _interpreting() -> bool:
 _MMA = [("mma", 16, 128, 256, 1, 4, 3, 8, 16), ("mma", 16, 128, 256, 1, 4, 3, 4, 16),
         ("mma", 16, 128, 128, 8, 4, 4, 8, 16), ("mma", 16, 128, 256, 8, 4, 3, 8, 16),
         ("mma", 16, 64, 256, 4, 4, 3, 4, 16)]
-# "gluon": engine/kernels/sparse24_gluon.py (sm_90, bf16 values, M <= 16), ("gluon", BM, BLOCK_N,
-# WPT, SPLIT_K, num_warps, WK); where it cannot run (another GPU, the interpreter, fp8 values, K not
-# a multiple of SPLIT_K * WK * 16 * WPT, strided operands) the first "mma" entry runs instead and
-# GLUON_SKIPPED records why. The entries are the fastest of an H200 sweep (CUDA graphs, weights
-# rotated beyond L2): gate_up 28672 x 4096 36.3-37.1 us at M = 1 (32 rows x 2 K slices; 3.6 TB/s,
-# 1.18-1.22x the best "mma"), down 4096 x 14336 21.7-22.4 us (16 rows x 4 slices, split 4;
-# 1.05-1.08x); at M = 16 no faster than "mma" (44.0-44.6 vs 44.2-44.6 us gate_up, 28.6 vs 24.0 down).
-# An optional 8th entry True loads x two steps ahead (stream_steps' X_AHEAD): 26.6 against 29.0 us
-# for down at M = 16, no gain elsewhere (H200).
-_GLUON = [("gluon", 16, 32, 4, 1, 4, 2), ("gluon", 16, 64, 4, 1, 8, 2), ("gluon", 16, 16, 4, 4, 4, 4),
-          ("gluon", 16, 16, 8, 2, 4, 4), ("gluon", 16, 32, 4, 4, 4, 2), ("gluon", 16, 16, 4, 8, 4, 4)]
-_GLUON16 = [("gluon", 16, 32, 4, 1, 4, 2), ("gluon", 16, 32, 4, 4, 4, 2), ("gluon", 16, 32, 4, 4, 4, 2, True)]
 # "sp": engine/kernels/sparse24_sp_gluon.py, the sparse tensor cores (mma.sp) on the stored values
 # and the MMA-order metadata (sm_90, bf16), ("sp", BM, BLOCK_N = 16 * RB rows per row warp, WPT,
-# SPLIT_K, num_warps, WK), skipped like "gluon". The fastest of an H200 sweep (CUDA graphs, 3 weight
+# SPLIT_K, num_warps, WK); where it cannot run (another GPU, the interpreter, fp8 values, K not a
+# multiple of SPLIT_K * WK * 16 * WPT, strided operands, no MMA-order metadata) the first "mma"
+# entry runs instead and GLUON_SKIPPED records why. The fastest of an H200 sweep (CUDA graphs, 3 weight
 # copies, 2026-11-22) at M = 1 / 4 / 8 / 16: gate_up 33.1 / 33.8 / 35.0 / 38.1 us, down 18.6 / 19.1
 # / 20.5 / 22.0 us; the stored-nibble metadata before: 34.0 / 35.4 / 38.4 / 42.3 and 19.6 / 20.1 /
-# 22.0 / 25.5; the best "gluon" (earlier runs) 37.2 / 37.6 / 37.3 / 44.7 and 22.1 / 23.0 / 24.0 / 26.6.
+# 22.0 / 25.5. An mma.sync Gluon kernel that expanded the values with `prmt` (removed) had 37.2 /
+# 37.6 / 37.3 / 44.7 and 22.1 / 23.0 / 24.0 / 26.6 at best, and was never chosen against this one.
 _SP = [("sp", 16, 128, 8, 1, 8, 1), ("sp", 16, 64, 8, 1, 4, 1), ("sp", 16, 128, 8, 1, 4, 1),
        ("sp", 16, 256, 8, 1, 8, 1), ("sp", 16, 64, 8, 8, 4, 1), ("sp", 16, 128, 8, 8, 8, 1),
        ("sp", 16, 16, 8, 1, 8, 8), ("sp", 16, 64, 8, 4, 8, 2)]
@@ -162,10 +155,10 @@ _SP8 = [("sp", 16, 128, 4, 1, 4, 2), ("sp", 16, 64, 4, 1, 4, 2), ("sp", 16, 128,
 _SP16 = [("sp", 16, 128, 4, 1, 4, 2), ("sp", 16, 64, 4, 1, 4, 2), ("sp", 16, 256, 4, 1, 8, 2),
          ("sp", 16, 64, 4, 8, 4, 1), ("sp", 16, 16, 4, 1, 8, 8), ("sp", 16, 128, 4, 8, 4, 1)]
 _DECODE_CONFIGS = {
-    1: _MMA + [("fma", 1, 32, 256, 1, 4, 1), ("fma", 1, 16, 256, 2, 4, 1)] + _GLUON + _SP,
-    4: _MMA + [("fma", 4, 32, 256, 1, 4, 1)] + _GLUON + _SP,
-    8: _MMA + [("wtile", 16, 64, 256, 2, 4, 3)] + _GLUON16 + _SP8,
-    16: _MMA + [("wtile", 16, 64, 256, 2, 4, 3)] + _GLUON16 + _SP16,
+    1: _MMA + [("fma", 1, 32, 256, 1, 4, 1), ("fma", 1, 16, 256, 2, 4, 1)] + _SP,
+    4: _MMA + [("fma", 4, 32, 256, 1, 4, 1)] + _SP,
+    8: _MMA + [("wtile", 16, 64, 256, 2, 4, 3)] + _SP8,
+    16: _MMA + [("wtile", 16, 64, 256, 2, 4, 3)] + _SP16,
     32: [("mma", 32, 128, 256, 1, 4, 3, 8, 16), ("mma", 32, 128, 128, 8, 4, 4, 8, 16),
          ("mma", 32, 64, 256, 4, 4, 3, 4, 16), ("wtile", 32, 64, 256, 1, 4, 3), ("xsplit", 32, 32, 256, 1, 4, 3)],
     64: [("wtile", 64, 128, 128, 1, 8, 3), ("wtile", 64, 64, 128, 1, 4, 3), ("xsplit", 64, 64, 128, 1, 4, 3),
@@ -176,7 +169,7 @@ _DECODE_CONFIGS = {
           ("mma", 128, 128, 128, 1, 8, 3, 8, 16)],
 }
 _TUNED: dict[tuple, tuple] = {}
-GLUON_SKIPPED: dict[tuple, str] = {}  # (config, M, N, K, value dtype) -> why the Gluon kernel did not run
+GLUON_SKIPPED: dict[tuple, str] = {}  # (config, M, N, K, value dtype) -> why the Gluon "sp" kernel did not run
 TUNE_TIMES: dict[tuple, dict] = {}  # every candidate's median ms, for the benchmark's report
 
 
@@ -196,21 +189,13 @@ def _launch(x, values, meta, scale, cfg, out=None, meta_mma=None):
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if kind == "mma":
         return _launch_mma(x, values, meta, scale, cfg, out)
-    if kind in ("gluon", "sp"):
-        reason = "interpreter" if _interpreting() else None
+    if kind == "sp":
+        from engine.kernels import sparse24_sp_gluon as sp
+        reason = "interpreter" if _interpreting() else sp.unsupported(x, values, meta, cfg)
+        if reason is None and (meta_mma is None or cfg[3] not in meta_mma):
+            reason = "no MMA-order metadata for this WPT"
         if reason is None:
-            if kind == "gluon":
-                from engine.kernels import sparse24_gluon as gluon_kernel
-            else:
-                from engine.kernels import sparse24_sp_gluon as gluon_kernel
-            reason = gluon_kernel.unsupported(x, values, meta, cfg)
-            if reason is None and kind == "sp":
-                if meta_mma is None or cfg[3] not in meta_mma:
-                    reason = "no MMA-order metadata for this WPT"
-                else:
-                    return gluon_kernel.launch(x, values, meta_mma[cfg[3]], scale, cfg, out)
-            elif reason is None:
-                return gluon_kernel.launch(x, values, meta, scale, cfg, out)
+            return sp.launch(x, values, meta_mma[cfg[3]], scale, cfg, out)
         GLUON_SKIPPED[(cfg, m, n, k, values.dtype)] = reason
         return _launch_mma(x, values, meta, scale, _MMA[0], out)
     # Split-K partial sums meet in a zeroed fp32 buffer by atomics; one pass writes `out` directly.

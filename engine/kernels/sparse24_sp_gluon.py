@@ -4,8 +4,9 @@ sparse24.py, with the metadata rearranged once per weight by `mma_order_meta`).
 
 The kept values go to the tensor core as they are stored: mma.sp takes the A operand compressed
 (16 x 16 kept values standing for 16 x 32) plus 2-bit indices, so there is no expansion in registers
-(engine/kernels/sparse24_gluon.py builds the dense fragment with two `prmt` per group) and one
-instruction does the work of two dense k16 MMAs.
+(an earlier Gluon kernel built the dense fragment with two `prmt` per group for mma.sync; it was
+1.07-1.21x slower at every M and was removed, see BENCHMARKS.md) and one instruction does the work
+of two dense k16 MMAs.
 
 Fragments (PTX ISA, sparse m16n8k32 .bf16; groupID g = lane / 4, q = lane % 4):
 - A, 4 registers, each one group's two kept values (the stored 32-bit word): rows g, g + 8 of
@@ -53,8 +54,8 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from engine.kernels.nvfp4_decode_gluon import stream_steps
-from engine.kernels.sparse24_gluon import launch_setup, store_rows_scaled, unsupported_common
+from engine.kernels.nvfp4_decode_gluon import store_rows, stream_steps
+from engine.kernels.split_k import split_k_buffers
 
 _MMA_SP = gl.constexpr(
     "mma.sp.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32 "
@@ -173,6 +174,29 @@ def _mma_sp_step(words, meta, aux, x, acc, WK: gl.constexpr, BLOCK_N: gl.constex
     return acc
 
 
+@gluon.jit
+def _times_row_scale(total, scale_ptr, rows, N):
+    """times the per-output-channel scale[N]."""
+    return total * gl.load(scale_ptr + rows, mask=rows < N, other=0.0)[:, None]
+
+
+@gluon.jit
+def _unscaled(total, scale_ptr, rows, N):
+    return total
+
+
+@gluon.jit
+def store_rows_scaled(acc, HAS_SCALE: gl.constexpr, scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr,
+                      count_ptr, BLOCK_N: gl.constexpr, MP: gl.constexpr, SPLIT_K: gl.constexpr):
+    """store_rows, times scale[N] when HAS_SCALE (per-output-channel scales)."""
+    if HAS_SCALE:
+        store_rows(_times_row_scale, acc, scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr,
+                   count_ptr, BLOCK_N, MP, SPLIT_K)
+    else:
+        store_rows(_unscaled, acc, scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr,
+                   count_ptr, BLOCK_N, MP, SPLIT_K)
+
+
 @gluon.jit(do_not_specialize=["M"])
 def sparse24_sp_kernel(
     x_ptr, words_ptr, meta_ptr, scale_ptr, out_ptr, acc_ptr, count_ptr,
@@ -254,9 +278,17 @@ def unsupported(x, values, meta, cfg) -> str | None:
     """Why the kernel cannot run this call with config ("sp", BM, BLOCK_N, WPT, SPLIT_K, num_warps,
     WK), or None."""
     _, _, bn, wpt, split_k, warps, wk = cfg
-    reason = unsupported_common(x, values, meta, wpt, split_k, wk)
-    if reason:
-        return reason
+    m, k = x.shape
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] != 9:
+        return "not sm_90"
+    if values.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
+        return "bf16 values and activations only"
+    if m > 16:
+        return "M > 16"
+    if k % (split_k * wk * 16 * wpt):
+        return f"K={k} not a multiple of {split_k * wk * 16 * wpt}"
+    if values.stride(0) != k // 2 or meta.stride(0) != k // 8 or values.stride(1) != 1 or meta.stride(1) != 1:
+        return "strided values/meta"
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         return "x not read as 16-byte vectors (unit stride along K, rows 16-byte aligned)"
     rb = bn // (16 * (warps // wk)) if warps % wk == 0 else 0
@@ -303,8 +335,10 @@ def launch(x, values, meta_mma, scale, cfg, out, swiglu=False):
     _, _, bn, wpt, split_k, warps, wk = cfg
     m, k = x.shape
     n = values.shape[0]
-    grid, acc, count, words = launch_setup(x, values, out, bn, split_k)
-    sparse24_sp_kernel[grid](
+    tiles = -(-n // bn)
+    acc, count = split_k_buffers(x.device, m * n, tiles) if split_k > 1 else (out, out)
+    words = values.view(torch.int32)  # one per group: its two kept values
+    sparse24_sp_kernel[(tiles, split_k)](
         x.view(torch.int32), words, meta_mma, scale if scale is not None else words, out, acc, count, m, n,
         x.stride(0) // 2, out.stride(0), K=k, BLOCK_N=bn, WPT=wpt, MP=8 if m <= 8 else 16, WK=wk,
         SPLIT_K=split_k, HAS_SCALE=scale is not None, SWIGLU=swiglu, num_warps=warps)
