@@ -281,8 +281,7 @@ def sparse24_mm(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
         return _launch(x, values, meta, scale, config, out, meta_mma)
     bucket = _m_bucket(x.shape[0])
     key = (bucket, values.shape[0], x.shape[1], x.dtype, values.dtype, scale is not None)
-    cfg = _tuned(key, _DECODE_CONFIGS[bucket], x,
-                 lambda c, out=None: _launch(x, values, meta, scale, c, out, meta_mma))
+    cfg = _tuned(key, _DECODE_CONFIGS[bucket], x, lambda c: _launch(x, values, meta, scale, c, None, meta_mma))
     return _launch(x, values, meta, scale, cfg, out, meta_mma)
 
 
@@ -314,9 +313,8 @@ def sparse24_swiglu_mm(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor
     if not candidates:
         return None
 
-    def run(c, out=None):
-        out = out if out is not None else torch.empty(x.shape[0], values.shape[0] // 2, dtype=x.dtype,
-                                                      device=x.device)
+    def run(c):
+        out = torch.empty(x.shape[0], values.shape[0] // 2, dtype=x.dtype, device=x.device)
         return sp.launch(x, values, meta_mma[c[3]], None, c, out, swiglu=True)
     cfg = _tuned(("swiglu",) + key, candidates, x, run)
     if key not in _SWIGLU_FUSED and ("swiglu",) + key in _TUNED:

@@ -43,6 +43,12 @@ Measured (H200, CUDA-graph medians over 3 weight copies), M = 1 / 4 / 8 / 16: ga
 at one row block per warp: L1 82% busy, DRAM 61%), so RB row blocks per warp share it in
 registers; 4 of them took gate_up from 46.9 to 42.2 us before the metadata change.
 
+SwiGLU epilogue (SWIGLU, for the fused gate/up projection): a program's row blocks alternate gate
+and up rows, so each thread holds both operands of its outputs and writes silu(gate) * up, saving
+the SwiGLU kernel and its launch (about 2 us per FFN block at M <= 4). It needs an even number of
+row blocks per warp and no split-K, which at 8-16 tokens costs more than it saves, so
+sparse24.sparse24_swiglu_mm times it against the unfused pair before using it.
+
 Work split as in the other Gluon decode kernels (engine/kernels/nvfp4_decode_gluon.py, whose K loop
 `stream_steps` and epilogue `store_rows` this kernel runs): num_warps / WK warps split the rows,
 16 * RB each, WK warps split K step by step, SPLIT_K programs split K in one launch; two K steps in
