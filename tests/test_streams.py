@@ -423,8 +423,15 @@ def test_gpu_streamed_layers_match_resident():
         p.data.normal_(0, 0.05)
     model.layers[1].mlp.gate_up_proj.convert("fp8")
     model.layers[2].mlp.down_proj.convert("nvfp4")
+    model.layers[3].mlp.gate_up_proj.convert("2:4")  # at 12 tokens its decode kernels and the MMA-order
+    model.layers[3].mlp.down_proj.convert("2:4")     # metadata they read (a dict on the backend) stream too
     batch = build_prefill_only([torch.randint(0, 1000, (n,)).tolist() for n in (9, 33, 4)], dev)
+    small = build_prefill_only([torch.randint(0, 1000, (n,)).tolist() for n in (5, 3, 4)], dev)
     ref = model(batch.input_ids, batch.positions, batch).float()
+    ref_small = model(small.input_ids, small.positions, small).float()
+    sparse = model.layers[3].mlp.gate_up_proj.backend
+    assert sparse.meta_mma and all(any(t is m for t in find_tensors(model.layers[3]))
+                                   for m in sparse.meta_mma.values())
     sizes = [layer_stream_bytes(layer) for layer in model.layers]
     plan = OffloadPlan([0], [1, 2, 3], 2 * max(sizes[1:]))
     s = StepStreams(dev)
@@ -444,6 +451,10 @@ def test_gpu_streamed_layers_match_resident():
         assert rel_err(out, ref) < 1e-3      # same kernels on the same bytes: exact unless a kernel is not deterministic
     order = plan.offloaded_layers
     assert streamer.copied_bytes == sizes[order[0]] + sizes[order[1]] + 3 * sum(sizes[i] for i in order)
+    with s.on(s.compute):
+        out = model(small.input_ids, small.positions, small).float()
+    torch.cuda.synchronize()
+    assert rel_err(out, ref_small) < 1e-3
     streamer.prefetch = False           # copy and compute serialised: the same result
     for _ in range(2):
         with s.on(s.compute):
