@@ -191,9 +191,9 @@ def main():
                 checks[f"{name}|{m}|{vname}"] = err
                 if err is None or not err < tol:
                     log(f"CHECK FAIL {name} M={m} {vname}: rel err {err} (tol {tol})")
+    blocks = ffn_blocks(w)
     for m in ms:  # the fused SwiGLU epilogue against the GEMM + SwiGLU kernel
         x = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
-        blocks = ffn_blocks(w)
         key = f"ffn|{m}|2:4 bf16 vs SwiGLU kernel"
         checks[key] = err = rel(blocks["2:4 bf16"](x), blocks["2:4 bf16, SwiGLU kernel"](x).float())
         if not err < 8e-3:

@@ -24,8 +24,8 @@ Design (Marlin-style, every operand in registers; explicit layouts, checked at c
   row M-1 and rows past N re-read row N-1, so the K loop has no masks.
 - Two K steps in flight per warp: the loop body computes steps i, i+1 and refills their registers
   with steps i+2, i+3 (plain loads; the pointers advance once per body and each step is a
-  constant offset folded into the load). `stream_pointers` and `stream_steps` (the loop, with the
-  per-step step function passed in) also run the 2:4 kernel of engine/kernels/sparse24_sp_gluon.py.
+  constant offset folded into the load). `stream_steps` (the loop, with the per-step function
+  passed in) and the epilogue `store_rows` also run the 2:4 kernel of engine/kernels/sparse24_sp_gluon.py.
 - Work split: a program is `num_warps` warps over BLOCK_N rows; WK of them split K (warp w takes
   K steps w, w + WK, ..: neighbouring chunks of the same rows) and the other num_warps / WK split
   the rows; the WK partial sums meet once, after the loop, through shared memory (`gl.sum` over
@@ -208,10 +208,9 @@ def _word_scales(scales, words, WK: gl.constexpr, BLOCK_N: gl.constexpr, WPT: gl
 
 
 @gluon.jit
-def _mma_step(words, scales, aux, x, acc, WK: gl.constexpr, BLOCK_N: gl.constexpr, WPT: gl.constexpr,
+def _mma_step(words, scales, x, acc, WK: gl.constexpr, BLOCK_N: gl.constexpr, WPT: gl.constexpr,
               MP: gl.constexpr):
-    """acc += decode(words, scales) @ x^T for one K step, all in registers (aux: unused here; the
-    2:4 kernel's step takes its meta shifts there)."""
+    """acc += decode(words, scales) @ x^T for one K step, all in registers."""
     STEP_K: gl.constexpr = 32 * WPT
     mma: gl.constexpr = acc.type.layout
     s = _word_scales(scales, words, WK, BLOCK_N, WPT)
@@ -228,52 +227,51 @@ def _mma_step(words, scales, aux, x, acc, WK: gl.constexpr, BLOCK_N: gl.constexp
 
 
 @gluon.jit
-def stream_pointers(words_ptr, side_ptr, x_ptr, n0, k0, M, N, stride_xm, K: gl.constexpr,
+def stream_pointers(words_ptr, scale_ptr, x_ptr, n0, k0, M, N, stride_xm, K: gl.constexpr,
                     BLOCK_N: gl.constexpr, WPT: gl.constexpr, MP: gl.constexpr, WN: gl.constexpr,
                     WK: gl.constexpr, STEP_K: gl.constexpr):
     """Pointers to a program's first K step: packed words [WK, BLOCK_N, 4 * WPT] (int32, 4 * WPT
-    per row and step), side data [WK, BLOCK_N, 4] (one element per thread: its WPT words' block
-    scales or meta, read as u8 / u16 / u32) and x [WK, MP, STEP_K]. Warp slice w of the WK takes
+    per row and step), block scales [WK, BLOCK_N, 4] (one element per thread: its WPT words'
+    scales, read as u8 / u16 / u32) and x [WK, MP, STEP_K]. Warp slice w of the WK takes
     steps w, w + WK, ... (the CTA's warps read neighbouring chunks of the same rows together). Rows
     past N (tail tile) re-read row N-1 and are never stored, x rows past M re-read row M-1: no
     masks in the loop."""
     w_layout: gl.constexpr = words_layout(BLOCK_N, WPT, WN, WK)
     s_layout: gl.constexpr = scales_layout(BLOCK_N, WN, WK)
     xl: gl.constexpr = x_layout(MP, STEP_K, WN, WK)
-    K_PER_WORD: gl.constexpr = STEP_K // (4 * WPT)  # 8 for e2m1 words, 4 for 2:4 groups
-    SIDE_K: gl.constexpr = STEP_K // 4  # K per side element
+    SCALE_K: gl.constexpr = STEP_K // 4  # K per scale element (a thread's WPT / 2 scales)
     w_ks = gl.arange(0, WK, layout=gl.SliceLayout(1, gl.SliceLayout(2, w_layout)))
     w_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, w_layout)))
     w_cols = gl.arange(0, 4 * WPT, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_layout)))
-    offs_w = (w_ks[:, None, None] * (STEP_K // K_PER_WORD)
-              + gl.minimum(n0 + w_rows, N - 1)[None, :, None] * (K // K_PER_WORD) + w_cols[None, None, :])
+    offs_w = (w_ks[:, None, None] * (STEP_K // 8)
+              + gl.minimum(n0 + w_rows, N - 1)[None, :, None] * (K // 8) + w_cols[None, None, :])
     s_ks = gl.arange(0, WK, layout=gl.SliceLayout(1, gl.SliceLayout(2, s_layout)))
     s_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, s_layout)))
     s_cols = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, s_layout)))
-    offs_s = (s_ks[:, None, None] * 4 + gl.minimum(n0 + s_rows, N - 1)[None, :, None] * (K // SIDE_K)
+    offs_s = (s_ks[:, None, None] * 4 + gl.minimum(n0 + s_rows, N - 1)[None, :, None] * (K // SCALE_K)
               + s_cols[None, None, :])
     x_ks = gl.arange(0, WK, layout=gl.SliceLayout(1, gl.SliceLayout(2, xl)))
     x_rows = gl.arange(0, MP, layout=gl.SliceLayout(0, gl.SliceLayout(2, xl)))
     x_cols = gl.arange(0, STEP_K, layout=gl.SliceLayout(0, gl.SliceLayout(1, xl)))
     offs_x = (x_ks[:, None, None] * STEP_K + gl.minimum(x_rows, M - 1)[None, :, None] * stride_xm
               + x_cols[None, None, :])
-    words_ptrs = words_ptr + k0 // K_PER_WORD + offs_w
+    words_ptrs = words_ptr + k0 // 8 + offs_w
     if WPT == 8:
-        side_ptrs = side_ptr.to(gl.pointer_type(gl.uint32), bitcast=True) + k0 // SIDE_K + offs_s
+        scale_ptrs = scale_ptr.to(gl.pointer_type(gl.uint32), bitcast=True) + k0 // SCALE_K + offs_s
     elif WPT == 4:
-        side_ptrs = side_ptr.to(gl.pointer_type(gl.uint16), bitcast=True) + k0 // SIDE_K + offs_s
+        scale_ptrs = scale_ptr.to(gl.pointer_type(gl.uint16), bitcast=True) + k0 // SCALE_K + offs_s
     else:
-        side_ptrs = side_ptr + k0 // SIDE_K + offs_s
+        scale_ptrs = scale_ptr + k0 // SCALE_K + offs_s
     x_ptrs = x_ptr + k0 + offs_x
-    return words_ptrs, side_ptrs, x_ptrs
+    return words_ptrs, scale_ptrs, x_ptrs
 
 
 @gluon.jit
-def stream_steps(MMA_STEP: gl.constexpr, words_ptrs, side_ptrs, x_ptrs, aux, acc,
+def stream_steps(MMA_STEP: gl.constexpr, words_ptrs, side_ptrs, x_ptrs, acc,
                  STEPS: gl.constexpr, STEP_K: gl.constexpr, WK: gl.constexpr, BLOCK_N: gl.constexpr,
                  WPT: gl.constexpr, MP: gl.constexpr, X_AHEAD: gl.constexpr = False,
                  S_STEP: gl.constexpr = 4):
-    """acc += every K step of the warp's slice, MMA_STEP(words, side, aux, x, acc, ..) decoding
+    """acc += every K step of the warp's slice, MMA_STEP(words, side, x, acc, ..) decoding
     one step. Two steps in flight: the loop body consumes steps i, i+1 and refills them with i+2,
     i+3; the pointers advance once per body, the steps are constant offsets from them. X_AHEAD:
     x is loaded with the weights, two steps ahead (the sparse-MMA 2:4 kernel, where it took
@@ -295,16 +293,16 @@ def stream_steps(MMA_STEP: gl.constexpr, words_ptrs, side_ptrs, x_ptrs, aux, acc
             x_b = x_a
     for _ in range((STEPS - 2) // 2):
         if X_AHEAD:
-            acc = MMA_STEP(w_a, s_a, aux, x_a, acc, WK, BLOCK_N, WPT, MP)
+            acc = MMA_STEP(w_a, s_a, x_a, acc, WK, BLOCK_N, WPT, MP)
             w_a, s_a = _load_step(words_ptrs, side_ptrs, 2, WPT, WK, S_STEP)
             x_a = gl.load(x_ptrs + 2 * X_STEP)
-            acc = MMA_STEP(w_b, s_b, aux, x_b, acc, WK, BLOCK_N, WPT, MP)
+            acc = MMA_STEP(w_b, s_b, x_b, acc, WK, BLOCK_N, WPT, MP)
             w_b, s_b = _load_step(words_ptrs, side_ptrs, 3, WPT, WK, S_STEP)
             x_b = gl.load(x_ptrs + 3 * X_STEP)
         else:
-            acc = MMA_STEP(w_a, s_a, aux, gl.load(x_ptrs), acc, WK, BLOCK_N, WPT, MP)
+            acc = MMA_STEP(w_a, s_a, gl.load(x_ptrs), acc, WK, BLOCK_N, WPT, MP)
             w_a, s_a = _load_step(words_ptrs, side_ptrs, 2, WPT, WK, S_STEP)
-            acc = MMA_STEP(w_b, s_b, aux, gl.load(x_ptrs + X_STEP), acc, WK, BLOCK_N, WPT, MP)
+            acc = MMA_STEP(w_b, s_b, gl.load(x_ptrs + X_STEP), acc, WK, BLOCK_N, WPT, MP)
             w_b, s_b = _load_step(words_ptrs, side_ptrs, 3, WPT, WK, S_STEP)
         words_ptrs += 2 * WK * (4 * WPT)
         side_ptrs += 2 * WK * S_STEP
@@ -312,16 +310,16 @@ def stream_steps(MMA_STEP: gl.constexpr, words_ptrs, side_ptrs, x_ptrs, aux, acc
     LEFT: gl.constexpr = STEPS - 2 * ((STEPS - 2) // 2) if STEPS > 1 else 1  # 1, 2 or 3
     if not X_AHEAD:
         x_a = gl.load(x_ptrs)
-    acc = MMA_STEP(w_a, s_a, aux, x_a, acc, WK, BLOCK_N, WPT, MP)
+    acc = MMA_STEP(w_a, s_a, x_a, acc, WK, BLOCK_N, WPT, MP)
     if LEFT == 3:
         w_a, s_a = _load_step(words_ptrs, side_ptrs, 2, WPT, WK, S_STEP)
         x_a = gl.load(x_ptrs + 2 * X_STEP)
     if LEFT >= 2:
         if not X_AHEAD:
             x_b = gl.load(x_ptrs + X_STEP)
-        acc = MMA_STEP(w_b, s_b, aux, x_b, acc, WK, BLOCK_N, WPT, MP)
+        acc = MMA_STEP(w_b, s_b, x_b, acc, WK, BLOCK_N, WPT, MP)
     if LEFT == 3:
-        acc = MMA_STEP(w_a, s_a, aux, x_a, acc, WK, BLOCK_N, WPT, MP)
+        acc = MMA_STEP(w_a, s_a, x_a, acc, WK, BLOCK_N, WPT, MP)
     return acc
 
 
@@ -400,7 +398,7 @@ def nvfp4_decode_kernel(
     words_ptrs, scale_ptrs, x_ptrs = stream_pointers(
         words_ptr, scale_ptr, x_ptr, n0, k0, M, N, stride_xm, K, BLOCK_N, WPT, MP, WN, WK, STEP_K)
     acc = gl.zeros([WK, BLOCK_N, MP], gl.float32, layout=mma)
-    acc = stream_steps(_mma_step, words_ptrs, scale_ptrs, x_ptrs, 0, acc, STEPS, STEP_K, WK, BLOCK_N,
+    acc = stream_steps(_mma_step, words_ptrs, scale_ptrs, x_ptrs, acc, STEPS, STEP_K, WK, BLOCK_N,
                        WPT, MP)
 
     store_rows(_times_tensor_scale, acc, tensor_scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr,

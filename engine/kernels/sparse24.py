@@ -308,14 +308,19 @@ def sparse24_swiglu_mm(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor
     key = (bucket, values.shape[0], x.shape[1])
     if _SWIGLU_FUSED.get(key) is False:
         return None
-    candidates = [c for c in _DECODE_CONFIGS.get(bucket, ()) if c[0] == "sp" and c[3] in meta_mma
-                  and sp.swiglu_unsupported(x, values, meta, c) is None]
-    if not candidates:
-        return None
+
+    def runnable(c):
+        return c[3] in meta_mma and sp.swiglu_unsupported(x, values, meta, c) is None
 
     def run(c):
         out = torch.empty(x.shape[0], values.shape[0] // 2, dtype=x.dtype, device=x.device)
         return sp.launch(x, values, meta_mma[c[3]], None, c, out, swiglu=True)
+    cfg = _TUNED.get(("swiglu",) + key)
+    if cfg is not None:  # tuned: only this call's operands are checked against the chosen config
+        return run(cfg) if runnable(cfg) else None
+    candidates = [c for c in _DECODE_CONFIGS.get(bucket, ()) if c[0] == "sp" and runnable(c)]
+    if not candidates:
+        return None
     cfg = _tuned(("swiglu",) + key, candidates, x, run)
     if key not in _SWIGLU_FUSED and ("swiglu",) + key in _TUNED:
         unfused = _time_ms(lambda: swiglu(sparse24_mm(x, values, meta, meta_mma=meta_mma)))

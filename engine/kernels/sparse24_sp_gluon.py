@@ -149,12 +149,12 @@ def _split_last(v, C: gl.constexpr):
 
 
 @gluon.jit
-def _mma_sp_step(words, meta, aux, x, acc, WK: gl.constexpr, BLOCK_N: gl.constexpr,
+def _mma_sp_step(words, meta, x, acc, WK: gl.constexpr, BLOCK_N: gl.constexpr,
                  WPT: gl.constexpr, MP: gl.constexpr):
     """acc += W_step @ x_step^T for one K step (WPT / 2 sparse MMAs per 16 rows and 8 tokens).
     words [WK, NB, 8, 4, 2 * WPT] (row g then g + 8 of each 16-row block, WPT words each), meta
-    [WK, NB, 8, 4, WPT / 2] (MMA c's metadata register, as `mma_order_meta` stores it), aux:
-    unused, x [WK, 1, T, 8, 4, 2 * WPT] int32 pairs (used for every row block of the warp)."""
+    [WK, NB, 8, 4, WPT / 2] (MMA c's metadata register, as `mma_order_meta` stores it), x
+    [WK, 1, T, 8, 4, 2 * WPT] int32 pairs (used for every row block of the warp)."""
     T: gl.constexpr = MP // 8
     NB: gl.constexpr = BLOCK_N // 16
     frag: gl.constexpr = acc.type.layout
@@ -264,7 +264,7 @@ def sparse24_sp_kernel(
 
     acc = gl.zeros([WK, NB, T, 8, 4, 4], gl.float32, layout=frag)
     # x two steps ahead, with the weights: 34.1 against 37.1 us at 28672 x 4096, M = 1 (H200)
-    acc = stream_steps(_mma_sp_step, words_ptrs, meta_ptrs, x_ptrs, 0, acc, STEPS, STEP_K // 2, WK, BLOCK_N,
+    acc = stream_steps(_mma_sp_step, words_ptrs, meta_ptrs, x_ptrs, acc, STEPS, STEP_K // 2, WK, BLOCK_N,
                        WPT, MP, X_AHEAD=True, S_STEP=16 * C)
     if SWIGLU:  # row blocks (2j, 2j + 1) = (gate, up) of output block j, in one thread's registers
         gate, up = gl.split(acc.reshape(WK, NB // 2, 2, T, 8, 4, 4).permute(0, 1, 3, 4, 5, 6, 2))
