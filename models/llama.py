@@ -62,6 +62,9 @@ def attend(q, k, v, batch, layer_idx, scale):
     p = batch.num_prefill_tokens
     if batch.num_decodes == 0:
         return _prefill(q, k, v, batch, k_cache, v_cache, scale)
+    if p == 0:   # decode only: no copy into a shared output (one kernel less per layer)
+        return attn_ops.decode_attention(q, k_cache, v_cache, batch.decode_block_tables,
+                                         batch.decode_context_lens, scale)
     out = torch.empty_like(q)
     if p:
         out[:p] = _prefill(q[:p], k[:p], v[:p], batch, k_cache, v_cache, scale)
