@@ -177,7 +177,7 @@ def check_rope(t, nh, nkv, hd, dtype, max_pos, scaling):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t,nh,nkv,hd", [(1, 9, 3, 64), (17, 9, 3, 64), (5, 8, 2, 128)])
+@pytest.mark.parametrize("t,nh,nkv,hd", [(1, 9, 3, 64), (17, 9, 3, 64), (5, 8, 2, 128), (3, 6, 3, 64), (70, 9, 3, 64)])
 def test_rope(t, nh, nkv, hd, dtype):
     check_rope(t, nh, nkv, hd, dtype, max_pos=100_000, scaling=None)
 

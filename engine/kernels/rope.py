@@ -2,7 +2,8 @@
 
 The reference builds cos/sin from the inverse frequencies; the fused kernel recomputes the angles
 from the positions in registers, so no cos/sin table is stored or read. It rotates q and k in place
-(they may be strided views of the fused qkv GEMM output) in one launch, one program per token.
+(they may be strided views of the fused qkv GEMM output) in one launch: one program per token in
+prefill, one per token and DECODE_HEADS heads at decode sizes.
 """
 from __future__ import annotations
 
@@ -59,22 +60,17 @@ def apply_rope_ref(q, k, positions, inv_freq):
 
 @_jit
 def _rope_kernel(q_ptr, k_ptr, pos_ptr, inv_freq_ptr,
-                 q_stride_t, q_stride_h, k_stride_t, k_stride_h, n_q_heads, n_k_heads, half,
-                 Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr, HALF: tl.constexpr):
+                 q_stride_t, q_stride_h, k_stride_t, k_stride_h, n_q_heads, n_heads, half,
+                 HEADS: tl.constexpr, HALF: tl.constexpr):
+    """Token program_id(0), heads HEADS * program_id(1) .. of the q heads followed by the k heads."""
     t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)[:, None]
     d = tl.arange(0, HALF)[None, :]
-    q_heads = tl.arange(0, Q_HEADS)[:, None]
-    k_heads = tl.arange(0, K_HEADS)[:, None]
-    q_at = q_ptr + t * q_stride_t + q_heads * q_stride_h + d
-    k_at = k_ptr + t * k_stride_t + k_heads * k_stride_h + d
-    q_mask = (q_heads < n_q_heads) & (d < half)
-    k_mask = (k_heads < n_k_heads) & (d < half)
-    # every load before the first store: q and k may alias as far as the compiler knows, so a store
-    # in between would serialise the two round trips to memory
-    q1 = tl.load(q_at, mask=q_mask, other=0.0).to(tl.float32)
-    q2 = tl.load(q_at + half, mask=q_mask, other=0.0).to(tl.float32)
-    k1 = tl.load(k_at, mask=k_mask, other=0.0).to(tl.float32)
-    k2 = tl.load(k_at + half, mask=k_mask, other=0.0).to(tl.float32)
+    at = tl.where(h < n_q_heads, q_ptr + t * q_stride_t + h * q_stride_h,
+                  k_ptr + t * k_stride_t + (h - n_q_heads) * k_stride_h) + d
+    mask = (h < n_heads) & (d < half)
+    x1 = tl.load(at, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(at + half, mask=mask, other=0.0).to(tl.float32)
 
     # the angle is pos * inv_freq rounded to fp32, exactly as the reference forms it; then reduced
     # to [-pi, pi] so the hardware sin/cos see the range where they are accurate
@@ -89,10 +85,15 @@ def _rope_kernel(q_ptr, k_ptr, pos_ptr, inv_freq_ptr,
     cos = tl.cos(reduced)
     sin = tl.sin(reduced)
 
-    tl.store(q_at, (q1 * cos - q2 * sin).to(q_ptr.dtype.element_ty), mask=q_mask)
-    tl.store(q_at + half, (q2 * cos + q1 * sin).to(q_ptr.dtype.element_ty), mask=q_mask)
-    tl.store(k_at, (k1 * cos - k2 * sin).to(k_ptr.dtype.element_ty), mask=k_mask)
-    tl.store(k_at + half, (k2 * cos + k1 * sin).to(k_ptr.dtype.element_ty), mask=k_mask)
+    tl.store(at, (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(at + half, (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty), mask=mask)
+
+
+# Heads per program at decode sizes (up to DECODE_TOKENS tokens): spread over several SMs, a token's
+# rotation is no longer one CTA's serial work. H200, Llama-3.1-8B (32 + 8 heads of 128): 1.31 us a
+# call at 1 token and 1.52 at 16 with 4 heads per program, against 2.81 / 2.93 with all 40 in one.
+DECODE_HEADS = 4
+DECODE_TOKENS = 64
 
 
 def apply_rope_triton(q, k, positions, inv_freq):
@@ -101,12 +102,12 @@ def apply_rope_triton(q, k, positions, inv_freq):
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("apply_rope needs unit stride along head_dim")
     t, nh, hd = q.shape
-    nkv = k.shape[1]
+    heads = nh + k.shape[1]
+    per_program = DECODE_HEADS if t <= DECODE_TOKENS else triton.next_power_of_2(heads)
     if t > 0:
-        _rope_kernel[(t,)](q, k, positions, inv_freq.to(q.device),
-                           q.stride(0), q.stride(1), k.stride(0), k.stride(1), nh, nkv, hd // 2,
-                           Q_HEADS=triton.next_power_of_2(nh), K_HEADS=triton.next_power_of_2(nkv),
-                           HALF=triton.next_power_of_2(hd // 2), num_warps=4)
+        _rope_kernel[(t, triton.cdiv(heads, per_program))](
+            q, k, positions, inv_freq.to(q.device), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            nh, heads, hd // 2, HEADS=per_program, HALF=triton.next_power_of_2(hd // 2), num_warps=4)
     return q, k
 
 
