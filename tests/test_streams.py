@@ -435,12 +435,26 @@ def test_gpu_streamed_layers_match_resident():
     sizes = [layer_stream_bytes(layer) for layer in model.layers]
     plan = OffloadPlan([0], [1, 2, 3], 2 * max(sizes[1:]))
     s = StepStreams(dev)
+    # the device storages of the streamed layers' tensors, by address (empty placeholders own none)
+    old = {t.untyped_storage().data_ptr(): (f"layer {i}: {tuple(t.shape)} {t.dtype}", t.untyped_storage().nbytes())
+           for i in (1, 2, 3) for t in find_tensors(model.layers[i]) if t.untyped_storage().nbytes()}
     torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated(dev)
-    streamer = LayerStreamer(model.layers, plan, s)
-    freed = before - torch.cuda.memory_allocated(dev)
-    # the streamed layers' device copies are gone; two buffers of the largest one took their place
-    assert abs(freed - (sum(sizes[1:]) - 2 * max(sizes[1:]))) < 64 * 1024
+    # The allocator's own record of what the construction freed (not memory_allocated before and
+    # after, which other tests' lazily built caches move in a long pytest process).
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    try:
+        streamer = LayerStreamer(model.layers, plan, s)
+        torch.cuda.synchronize()
+        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    # the streamed layers' device copies are freed; two buffers of the largest layer take their place.
+    # (After other GPU tests in the same process, the NVFP4 layer's 4-byte tensor scale has been
+    # seen to stay referenced, by what is not known: a few scalars are let through, named.)
+    freed = {e["addr"] for e in trace if e["action"] == "free_requested"}
+    kept = [(what, n) for ptr, (what, n) in old.items() if ptr not in freed]
+    assert sum(n for _, n in kept) < 64 * 1024, kept
+    assert [b.numel() for b in streamer.buffers] == [max(sizes[1:])] * 2
     assert all(h.is_pinned() for h in streamer.host.values())
     for _ in range(3):
         with s.on(s.compute):
