@@ -2,15 +2,22 @@
 
     python benchmarks/profile_step.py --model llama-3.1-8b --weights fp8 --prefill 4x2048
     python benchmarks/profile_step.py --model llama-3.1-8b --decode 64
+    python benchmarks/profile_step.py --model llama-3.1-8b --weights nvfp4 --graph 1,16
 
 Builds the engine (random weights for presets), runs the step once to warm up (compilation,
 autotuning), then profiles the same step again with torch.profiler and prints the CUDA kernels
 that took the most time, with their share of the step.
+
+--graph B1,B2,..: the decode step as it runs in serving, a captured CUDA graph (engine/cuda_graphs.py)
+at each batch size, every sequence at --context tokens. Prints the median replay time (CUDA events,
+no host in it), the kernels' summed time and count (the difference is what kernel boundaries cost
+inside the graph), and the kernels by total time.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 
 import torch
@@ -35,10 +42,14 @@ def main(argv=None) -> None:
     ap.add_argument("--sparse-ffn", default=None)
     ap.add_argument("--prefill", default="4x2048", help="SEQSxLEN prompts, one prefill step")
     ap.add_argument("--decode", type=int, default=0, help="profile decode steps at this batch instead")
+    ap.add_argument("--graph", default=None, help="profile the captured decode graph at these batch sizes")
+    ap.add_argument("--context", type=int, default=512, help="--graph: tokens in each sequence's KV cache")
     ap.add_argument("--top", type=int, default=15)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("profile_step.py profiles CUDA kernels: it needs a GPU")
+    if args.graph:
+        return profile_graphs(args, [int(b) for b in args.graph.split(",")])
     seqs, length = (int(v) for v in args.prefill.split("x"))
     engine = Engine(EngineConfig(model=args.model, weights=args.weights, sparse_ffn=args.sparse_ffn,
                                  kv_cache_tokens=65536, max_num_batched_tokens=max(8192, seqs * length)))
@@ -65,6 +76,51 @@ def main(argv=None) -> None:
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:args.top]:
         print(f"| {e.key[:90]} | {e.count} | {e.self_device_time_total / 1e3:.2f} "
               f"| {100 * e.self_device_time_total / total:.1f}% |")
+
+
+def replay_ms(graph, n: int = 60) -> float:
+    """Median milliseconds of one replay, bracketed by CUDA events."""
+    for _ in range(5):
+        graph.replay()
+    times = []
+    for _ in range(n):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def profile_graphs(args, batches: list[int]) -> None:
+    from engine.cuda_graphs import DecodeGraphs
+    engine = Engine(EngineConfig(model=args.model, weights=args.weights, sparse_ffn=args.sparse_ffn,
+                                 kv_cache_tokens=max(16384, 2 * max(batches) * args.context),
+                                 cuda_graphs=False, max_num_seqs=max(batches)))
+    graphs = DecodeGraphs(engine.model, engine.kv_cache, max(batches),
+                          -(-engine.max_model_len // engine.config.block_size), engine.kv_cache.scratch_block)
+    graphs.buckets = sorted(batches)
+    # Every row attends over `context` positions of the scratch block's pages (what it reads is
+    # immaterial to the timing; how much is not).
+    graphs.context_lens.fill_(args.context)
+    graphs.capture()
+    for b in graphs.buckets:
+        step = replay_ms(graphs.graphs[b])
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                graphs.graphs[b].replay()
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernel_ms = sum(e.self_device_time_total for e in events) / 5 / 1e3
+        calls = sum(e.count for e in events) / 5
+        print(f"# {args.model} weights={args.weights} sparse_ffn={args.sparse_ffn}: decode graph, batch {b}, "
+              f"context {args.context}: step {step:.3f} ms; {calls:.0f} kernels, {kernel_ms:.3f} ms of kernel "
+              f"time ({(step - kernel_ms) / calls * 1e3:+.2f} us a kernel outside them)")
+        print("| kernel | calls | ms | share |\n|---|---:|---:|---:|")
+        for e in sorted(events, key=lambda e: -e.self_device_time_total)[:args.top]:
+            ms = e.self_device_time_total / 5 / 1e3
+            print(f"| {e.key[:90]} | {e.count // 5} | {ms:.3f} | {100 * ms / step:.1f}% |")
 
 
 if __name__ == "__main__":
