@@ -101,6 +101,8 @@ def apply_rope_triton(q, k, positions, inv_freq):
     hd) and returns them."""
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("apply_rope needs unit stride along head_dim")
+    if q.dtype != k.dtype:   # one kernel pointer walks both (the slices of one qkv output)
+        raise ValueError(f"apply_rope needs q and k of one dtype, got {q.dtype} and {k.dtype}")
     t, nh, hd = q.shape
     heads = nh + k.shape[1]
     per_program = DECODE_HEADS if t <= DECODE_TOKENS else triton.next_power_of_2(heads)
