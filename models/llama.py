@@ -47,18 +47,17 @@ class LlamaAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, k, positions, inv_freq)
-        o = attend(q, k, v, batch, self.layer_idx, self.scale)
+        k_cache, v_cache = batch.kv_cache.layer(self.layer_idx) if batch.kv_cache is not None else (None, None)
+        # RoPE also stores this step's K/V in the paged cache (one kernel)
+        kv_write = (v, k_cache, v_cache, batch.slot_mapping) if k_cache is not None else None
+        q, k = apply_rope(q, k, positions, inv_freq, kv_write)
+        o = attend(q, k, v, batch, k_cache, v_cache, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
-def attend(q, k, v, batch, layer_idx, scale):
-    """Write this step's K/V into the paged cache, then attend: prefill rows first, decode rows after."""
-    cache = batch.kv_cache
-    k_cache = v_cache = None
-    if cache is not None:
-        k_cache, v_cache = cache.layer(layer_idx)
-        attn_ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+def attend(q, k, v, batch, k_cache, v_cache, scale):
+    """Attention over this step's K/V, already in the paged cache (k_cache None: no cache, prefill
+    only): prefill rows first, decode rows after."""
     p = batch.num_prefill_tokens
     if batch.num_decodes == 0:
         return _prefill(q, k, v, batch, k_cache, v_cache, scale)
@@ -66,8 +65,7 @@ def attend(q, k, v, batch, layer_idx, scale):
         return attn_ops.decode_attention(q, k_cache, v_cache, batch.decode_block_tables,
                                          batch.decode_context_lens, scale)
     out = torch.empty_like(q)
-    if p:
-        out[:p] = _prefill(q[:p], k[:p], v[:p], batch, k_cache, v_cache, scale)
+    out[:p] = _prefill(q[:p], k[:p], v[:p], batch, k_cache, v_cache, scale)
     out[p:] = attn_ops.decode_attention(q[p:], k_cache, v_cache, batch.decode_block_tables,
                                         batch.decode_context_lens, scale)
     return out

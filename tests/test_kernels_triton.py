@@ -182,6 +182,31 @@ def test_rope(t, nh, nkv, hd, dtype):
     check_rope(t, nh, nkv, hd, dtype, max_pos=100_000, scaling=None)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,nh,nkv,hd", [(1, 9, 3, 64), (6, 8, 2, 128), (70, 9, 3, 64)])
+def test_rope_stores_k_and_v_in_the_cache(t, nh, nkv, hd, dtype):
+    # kv_write: the same launch stores the rotated k and v at their slots of the paged cache,
+    # exactly what write_kv would store; q and k are still rotated in place, v is left alone
+    qkv = torch.randn(t, (nh + 2 * nkv) * hd, device=DEVICE, dtype=dtype)
+    q = qkv[:, :nh * hd].view(t, nh, hd)
+    k = qkv[:, nh * hd:(nh + nkv) * hd].view(t, nkv, hd)
+    v = qkv[:, (nh + nkv) * hd:].view(t, nkv, hd)
+    v_before = v.clone()
+    positions = torch.randint(0, 100_000, (t,), device=DEVICE)
+    inv_freq = rope.rope_inv_freq(hd, 500000.0, None).to(DEVICE)
+    q_ref, k_ref = rope.apply_rope_ref(q.clone(), k.clone(), positions, inv_freq)
+    num_blocks = t // 16 + 3
+    k_cache, v_cache = paged_cache(num_blocks, 16, nkv, hd, dtype)
+    slots = torch.randperm(num_blocks * 16, device=DEVICE)[:t]
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    rope.apply_rope_triton(q, k, positions, inv_freq, (v, k_cache, v_cache, slots))
+    assert_close(q, q_ref, dtype, "rope q")
+    assert_close(k, k_ref, dtype, "rope k")
+    assert torch.equal(v, v_before)
+    attention.write_kv_ref(k, v, k_want, v_want, slots)
+    assert torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want)
+
+
 def test_rope_llama3_scaling():
     check_rope(9, 4, 2, 128, torch.float32, max_pos=130_000, scaling=LLAMA3_SCALING)
 

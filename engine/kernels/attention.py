@@ -289,7 +289,7 @@ PREFILL_BLOCK_M = 128     # queries per program of the prefill kernel
 PREFILL_BLOCK_N = 64      # keys per tile of the prefill kernel
 
 
-def _check_cache(k_cache, v_cache, head_dim):
+def check_cache(k_cache, v_cache, head_dim):
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache need one layout with unit stride along head_dim")
     page = k_cache.shape[1]
@@ -305,7 +305,7 @@ def _exact_fp32_dot(dtype):
 
 def write_kv_triton(k, v, k_cache, v_cache, slot_mapping):
     t, nkv, hd = k.shape
-    _check_cache(k_cache, v_cache, hd)
+    check_cache(k_cache, v_cache, hd)
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("write_kv needs unit stride along head_dim")
     if t > 0:
@@ -335,7 +335,7 @@ def decode_splits(num_seqs: int, num_kv_heads: int, device) -> int:
 def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None):
     b, nh, hd = q.shape
     nkv = k_cache.shape[2]
-    _check_cache(k_cache, v_cache, hd)
+    check_cache(k_cache, v_cache, hd)
     if q.stride(-1) != 1:
         raise ValueError("decode_attention needs unit stride along head_dim")
     group = nh // nkv
@@ -370,7 +370,7 @@ def prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables, 
     if k_cache is None:   # no cache (embeddings): no sequence may have a prefix
         k_cache = v_cache = k.view(t, 1, nkv, hd)
         block_tables = context_lens.view(n_seqs, 1)
-    _check_cache(k_cache, v_cache, hd)
+    check_cache(k_cache, v_cache, hd)
     out = torch.empty((t, nh, hd), device=q.device, dtype=q.dtype)
     if t == 0:
         return out

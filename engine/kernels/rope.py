@@ -3,7 +3,8 @@
 The reference builds cos/sin from the inverse frequencies; the fused kernel recomputes the angles
 from the positions in registers, so no cos/sin table is stored or read. It rotates q and k in place
 (they may be strided views of the fused qkv GEMM output) in one launch: one program per token in
-prefill, one per token and DECODE_HEADS heads at decode sizes.
+prefill, one per token and DECODE_HEADS heads at decode sizes. Given the paged KV cache, the same
+launch stores the rotated k and v at the step's slots (attention's write_kv, fused).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import math
 
 import torch
 
+from engine.kernels.attention import check_cache, write_kv
 from engine.kernels.norms import triton_enabled
 
 try:
@@ -59,15 +61,21 @@ def apply_rope_ref(q, k, positions, inv_freq):
 
 
 @_jit
-def _rope_kernel(q_ptr, k_ptr, pos_ptr, inv_freq_ptr,
-                 q_stride_t, q_stride_h, k_stride_t, k_stride_h, n_q_heads, n_heads, half,
-                 HEADS: tl.constexpr, HALF: tl.constexpr):
-    """Token program_id(0), heads HEADS * program_id(1) .. of the q heads followed by the k heads."""
+def _rope_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                 q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
+                 c_stride_block, c_stride_row, c_stride_head, n_q_heads, n_k_heads, n_heads, half,
+                 HEADS: tl.constexpr, HALF: tl.constexpr, WRITE_KV: tl.constexpr, PAGE: tl.constexpr):
+    """Token program_id(0), heads HEADS * program_id(1) .. of [q heads, k heads, v heads (WRITE_KV
+    only)]: q and k rotated in place; with WRITE_KV the rotated k and v also stored at the token's
+    slot of the paged cache (what attention's write_kv does, without a kernel of its own)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)[:, None]
     d = tl.arange(0, HALF)[None, :]
+    n_qk = n_q_heads + n_k_heads
+    is_v = h >= n_qk
     at = tl.where(h < n_q_heads, q_ptr + t * q_stride_t + h * q_stride_h,
-                  k_ptr + t * k_stride_t + (h - n_q_heads) * k_stride_h) + d
+                  tl.where(is_v, v_ptr + t * v_stride_t + (h - n_qk) * v_stride_h,
+                           k_ptr + t * k_stride_t + (h - n_q_heads) * k_stride_h)) + d
     mask = (h < n_heads) & (d < half)
     x1 = tl.load(at, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(at + half, mask=mask, other=0.0).to(tl.float32)
@@ -82,11 +90,22 @@ def _rope_kernel(q_ptr, k_ptr, pos_ptr, inv_freq_ptr,
     reduced = tl.fma(-turns, 6.28125, angle)
     reduced = tl.fma(-turns, 0.0019353071693331003, reduced)
     reduced = tl.fma(-turns, 1.0253131677018246e-11, reduced)
-    cos = tl.cos(reduced)
-    sin = tl.sin(reduced)
+    cos = tl.where(is_v, 1.0, tl.cos(reduced))   # v heads pass through unrotated
+    sin = tl.where(is_v, 0.0, tl.sin(reduced))
+    y1 = x1 * cos - x2 * sin
+    y2 = x2 * cos + x1 * sin
 
-    tl.store(at, (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(at + half, (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty), mask=mask)
+    in_place = mask & (h < n_qk)
+    tl.store(at, y1.to(q_ptr.dtype.element_ty), mask=in_place)
+    tl.store(at + half, y2.to(q_ptr.dtype.element_ty), mask=in_place)
+    if WRITE_KV:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        head = tl.where(is_v, h - n_qk, h - n_q_heads)
+        row = (slot // PAGE) * c_stride_block + (slot % PAGE) * c_stride_row + head * c_stride_head + d
+        dst = tl.where(is_v, v_cache_ptr + row, k_cache_ptr + row)
+        cached = mask & (h >= n_q_heads)
+        tl.store(dst, y1.to(k_cache_ptr.dtype.element_ty), mask=cached)
+        tl.store(dst + half, y2.to(k_cache_ptr.dtype.element_ty), mask=cached)
 
 
 # Heads per program at decode sizes (up to DECODE_TOKENS tokens): spread over several SMs, a token's
@@ -96,26 +115,46 @@ DECODE_HEADS = 4
 DECODE_TOKENS = 64
 
 
-def apply_rope_triton(q, k, positions, inv_freq):
+def apply_rope_triton(q, k, positions, inv_freq, kv_write=None):
     """Rotates q [T, nh, hd] and k [T, nkv, hd] in place (any token/head strides, unit stride along
-    hd) and returns them."""
+    hd) and returns them. kv_write = (v, k_cache, v_cache, slot_mapping): also store the rotated k
+    and v at their cache slots, as attention's write_kv would."""
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("apply_rope needs unit stride along head_dim")
     if q.dtype != k.dtype:   # one kernel pointer walks both (the slices of one qkv output)
         raise ValueError(f"apply_rope needs q and k of one dtype, got {q.dtype} and {k.dtype}")
     t, nh, hd = q.shape
-    heads = nh + k.shape[1]
+    nkv = k.shape[1]
+    heads = nh + nkv
+    if kv_write is not None:
+        v, k_cache, v_cache, slots = kv_write
+        check_cache(k_cache, v_cache, hd)
+        if v.stride(-1) != 1 or v.dtype != k.dtype or v.shape != k.shape:
+            raise ValueError("apply_rope: v must match k (shape, dtype, unit stride along head_dim)")
+        heads += nkv
+        cache = dict(v=v, k_cache=k_cache, v_cache=v_cache, slots=slots, v_strides=(v.stride(0), v.stride(1)),
+                     c_strides=k_cache.stride()[:3], page=k_cache.shape[1])
+    else:   # unused pointers and strides: WRITE_KV is off
+        cache = dict(v=k, k_cache=k, v_cache=k, slots=positions, v_strides=(0, 0), c_strides=(0, 0, 0), page=1)
     per_program = DECODE_HEADS if t <= DECODE_TOKENS else triton.next_power_of_2(heads)
     if t > 0:
         _rope_kernel[(t, triton.cdiv(heads, per_program))](
-            q, k, positions, inv_freq.to(q.device), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            nh, heads, hd // 2, HEADS=per_program, HALF=triton.next_power_of_2(hd // 2), num_warps=4)
+            q, k, cache["v"], positions, inv_freq.to(q.device), cache["k_cache"], cache["v_cache"],
+            cache["slots"], q.stride(0), q.stride(1), k.stride(0), k.stride(1), *cache["v_strides"],
+            *cache["c_strides"], nh, nkv, heads, hd // 2, HEADS=per_program,
+            HALF=triton.next_power_of_2(hd // 2), WRITE_KV=kv_write is not None, PAGE=cache["page"],
+            num_warps=4)
     return q, k
 
 
-def apply_rope(q, k, positions, inv_freq):
-    """Rotated (q, k). The Triton path rotates in place, the reference returns new tensors: use the
-    returned pair."""
+def apply_rope(q, k, positions, inv_freq, kv_write=None):
+    """Rotated (q, k); with kv_write = (v, k_cache, v_cache, slot_mapping) the rotated k and v are
+    also stored in the paged cache (one kernel for both where the fused kernels run). The Triton
+    path rotates in place, the reference returns new tensors: use the returned pair."""
     if triton_enabled(q):
-        return apply_rope_triton(q, k, positions, inv_freq)
-    return apply_rope_ref(q, k, positions, inv_freq)
+        return apply_rope_triton(q, k, positions, inv_freq, kv_write)
+    q, k = apply_rope_ref(q, k, positions, inv_freq)
+    if kv_write is not None:
+        v, k_cache, v_cache, slots = kv_write
+        write_kv(k, v, k_cache, v_cache, slots)
+    return q, k
