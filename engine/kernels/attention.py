@@ -6,7 +6,8 @@ its flat slot is block * block_size + row (the slot_mapping of the KV write).
 
 Each function has a plain PyTorch reference (`*_ref`), which is what runs on the CPU; on CUDA
 tensors (or anywhere under TRITON_INTERPRET=1) the public functions run Triton kernels:
-- `write_kv`: one program per token stores its K and V rows at their slots.
+- `write_kv`: one program per token stores its K and V rows at their slots (the model's layers
+  store them in RoPE's launch instead: engine/kernels/rope.py).
 - `decode_attention`: one program per (sequence, KV head, split of the context). The query heads
   that share a KV head are processed together as the rows of one tile, so each K/V row is read
   from HBM once per KV head (GQA); long contexts are split across programs to fill the GPU and a
