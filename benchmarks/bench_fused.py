@@ -10,9 +10,11 @@ per layer per token (counted, not timed), and a small sweep of launch configurat
     python benchmarks/bench_fused.py            # correctness checks, then the tables
     python benchmarks/bench_fused.py --check    # correctness checks only
 
-Times are triton.testing.do_bench medians: it warms up, and clears a 256 MB buffer before every
-timed call, so inputs come from HBM, not L2. Its events bracket the Python launch too: at 1 and 64
-tokens the times are launch-bound (host launch cost included), not a measure of the kernels.
+Times are medians of benchmarks/timing.py `cold_ms`: L2 is evicted by reading 256 MB before every
+timed call, so inputs come from HBM, not L2. (Until 2026-11-22 this used triton.testing.do_bench,
+whose writing flush also charged each call the write-back of its dirty lines.) The events bracket
+the Python launch too: at 1 and 64 tokens the times are launch-bound (host launch cost included),
+not a measure of the kernels.
 """
 from __future__ import annotations
 
@@ -30,6 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.kernels import attention, norms, rope, swiglu  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import cold_ms  # noqa: E402
+
 HIDDEN, FFN, N_HEADS, N_KV, HEAD_DIM = 4096, 14336, 32, 8, 128   # Llama-3.1-8B
 EPS = 1e-5
 BF16 = torch.bfloat16
@@ -43,8 +48,7 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
 
 
 def bench_ms(fn):
-    import triton.testing
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return cold_ms(fn, rep=100, warmup=25)
 
 
 def copy_bandwidth_gbs():
@@ -223,7 +227,7 @@ def compiled(fn):
 
 
 def bench_kernels(copy_gbs):
-    print("\n## fused kernels vs eager and torch.compile (bf16; do_bench medians in us)\n")
+    print("\n## fused kernels vs eager and torch.compile (bf16; medians in us after an L2 eviction by reading)\n")
     print("| kernel | tokens | bytes | fused us | fused GB/s | % copy BW | eager us | compile us "
           "| x eager | x compile |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -248,7 +252,7 @@ def bench_kernels(copy_gbs):
 
 
 def bench_decode(copy_gbs):
-    print("\n## decode attention over the paged cache (32/8 heads x 128, bf16, block 16; do_bench medians)\n")
+    print("\n## decode attention over the paged cache (32/8 heads x 128, bf16, block 16; medians after an L2 eviction by reading)\n")
     print("| batch | context | bytes | splits | fused us | GB/s | % copy BW | TFLOP/s "
           "| gather+SDPA us | x gather+SDPA |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -289,7 +293,7 @@ def print_recompute_savings():
 
 def sweep(copy_gbs):
     """Launch-configuration alternatives at 8192 tokens (and decode splits), to pick defaults."""
-    print("\n## launch-configuration sweep (do_bench medians)\n")
+    print("\n## launch-configuration sweep (medians after an L2 eviction by reading)\n")
     print("| kernel | config | us | % copy BW |")
     print("| --- | --- | ---: | ---: |")
 
@@ -328,7 +332,7 @@ def measure_recompute_savings(copy_gbs, m=8192):
     bytes it must add sits beside it. (The RoPE table row, 512 B per token per layer against 20 KB
     of q/k traffic, is below the timing noise: counted only.)"""
     from engine.kernels.fp8 import quantize_act_fp8
-    print(f"\n## recompute instead of store, measured ({m} tokens; do_bench medians)\n")
+    print(f"\n## recompute instead of store, measured ({m} tokens; medians after an L2 eviction by reading)\n")
     print("| path | fused us | store path us | saved us | saved x copy BW | counted bytes |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     x, r = (torch.randn(m, HIDDEN, device=DEVICE, dtype=BF16) for _ in range(2))

@@ -6,10 +6,8 @@ dense bf16 (cuBLAS) vs 2:4 bf16 (as the model runs it: the SwiGLU in gate_up's e
 sizes; also with the SwiGLU kernel after gate_up, for comparison), and FP8 dense (per-token x per-channel torch._scaled_mm) vs 2:4+FP8,
 eager and as a replayed CUDA graph; then every GEMM variant on its own. Each variant is checked
 against a float reference first. Times are medians over repetitions that each start with L2
-evicted by reading 256 MB (`evict_l2`), so weights and activations come from HBM each time.
-triton.testing.do_bench evicts by writing its buffer instead, and when the timed kernels' loads
-evict those dirty lines, writing them back cost every FFN block about 8 us on an H200 (dense 103.0
-against 93.7 us at M = 1, 2:4 61.9 against 53.2): a cost no decode step pays.
+evicted by a read (benchmarks/timing.py `cold_ms`), so weights and activations come from HBM each
+time. (triton.testing.do_bench's writing flush charged every FFN block about 8 us of write-back.)
 
     python benchmarks/bench_sparse24.py [--out results.json] [--ms 1,16,128,1024,8192]
 """
@@ -17,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import sys
@@ -31,7 +28,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from engine.kernels import sparse24 as s24  # noqa: E402
 from engine.kernels.fp8 import quantize_rows_fp8  # noqa: E402
 from engine.kernels.swiglu import swiglu  # noqa: E402
-from timing import time_graph  # noqa: E402
+from timing import cold_ms, time_graph  # noqa: E402
 
 HIDDEN, FFN = 4096, 14336
 GEMMS = {"gate_up": (2 * FFN, HIDDEN), "down": (HIDDEN, FFN)}  # name: (N, K)
@@ -42,18 +39,8 @@ def log(*a):
     print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
 
 
-_EVICT = []
-
-
-def evict_l2():
-    """Fill L2 with clean lines of a 256 MB buffer (a read, not a write: see the module docstring)."""
-    if not _EVICT:
-        _EVICT.append(torch.ones(1 << 26, dtype=torch.int32, device="cuda"))
-    _EVICT[0].sum()
-
-
-def median_ms(fn, graph=False, rep=60, warmup=10):
-    """Median ms of fn() (replayed from a CUDA graph if graph), each run after evict_l2()."""
+def median_ms(fn, graph=False, rep=60):
+    """Median ms of fn() (replayed from a CUDA graph if graph), each run after L2 is evicted."""
     fn()
     torch.cuda.synchronize()
     if graph:
@@ -66,17 +53,7 @@ def median_ms(fn, graph=False, rep=60, warmup=10):
         with torch.cuda.graph(g):
             fn()
         fn = g.replay
-    times = []
-    for i in range(warmup + rep):
-        evict_l2()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return cold_ms(fn, rep)
 
 
 def try_ms(fn, graph=False):

@@ -1,7 +1,13 @@
-"""CUDA-graph timing shared by the per-kernel benchmarks.
+"""Timing shared by the per-kernel benchmarks.
 
-A kernel of a few microseconds timed by events around eager launches measures the launch; captured
-in a CUDA graph, many calls replay back to back and the events bracket only the GPU's work.
+`time_graph`: a kernel of a few microseconds timed by events around eager launches measures the
+launch; captured in a CUDA graph, many calls replay back to back and the events bracket only the
+GPU's work.
+
+`cold_ms`: one call at a time, each after `evict_l2`, so its operands come from HBM. The eviction
+reads 256 MB. triton.testing.do_bench evicts by writing a buffer instead; the timed call's loads
+then force those dirty lines back to HBM, which cost each call about 8 us on an H200 (an FFN block:
+103.0 against 93.7 us), a cost no real step pays.
 """
 from __future__ import annotations
 
@@ -37,4 +43,29 @@ def time_graph(fn, args, replays: int = 15, min_calls: int = 20) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3 / (rounds * len(args)))
+    return statistics.median(times)
+
+
+_EVICT: list = []
+
+
+def evict_l2() -> None:
+    """Fill L2 with clean lines of a 256 MB buffer (read, not written: nothing to write back)."""
+    if not _EVICT:
+        _EVICT.append(torch.ones(1 << 26, dtype=torch.int32, device="cuda"))
+    _EVICT[0].sum()
+
+
+def cold_ms(fn, rep: int = 60, warmup: int = 10) -> float:
+    """Median ms of fn() between CUDA events, each call after evict_l2()."""
+    times = []
+    for i in range(warmup + rep):
+        evict_l2()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
     return statistics.median(times)
