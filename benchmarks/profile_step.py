@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
@@ -25,6 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import run_to_completion  # noqa: E402
+from benchmarks.timing import event_ms  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
@@ -78,21 +78,6 @@ def main(argv=None) -> None:
               f"| {100 * e.self_device_time_total / total:.1f}% |")
 
 
-def replay_ms(graph, n: int = 60) -> float:
-    """Median milliseconds of one replay, bracketed by CUDA events."""
-    for _ in range(5):
-        graph.replay()
-    times = []
-    for _ in range(n):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def profile_graphs(args, batches: list[int]) -> None:
     from engine.cuda_graphs import DecodeGraphs
     engine = Engine(EngineConfig(model=args.model, weights=args.weights, sparse_ffn=args.sparse_ffn,
@@ -106,7 +91,7 @@ def profile_graphs(args, batches: list[int]) -> None:
     graphs.context_lens.fill_(args.context)
     graphs.capture()
     for b in graphs.buckets:
-        step = replay_ms(graphs.graphs[b])
+        step = event_ms(graphs.graphs[b].replay, rep=60, warmup=5)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
                 graphs.graphs[b].replay()

@@ -4,7 +4,8 @@
 launch; captured in a CUDA graph, many calls replay back to back and the events bracket only the
 GPU's work.
 
-`cold_ms`: one call at a time, each after `evict_l2`, so its operands come from HBM. The eviction
+`event_ms`: one call at a time between CUDA events (a captured graph's replay, say).
+`cold_ms`: the same, each call after `evict_l2`, so its operands come from HBM. The eviction
 reads 256 MB. triton.testing.do_bench evicts by writing a buffer instead; the timed call's loads
 then force those dirty lines back to HBM, which cost each call about 8 us on an H200 (an FFN block:
 103.0 against 93.7 us), a cost no real step pays.
@@ -56,11 +57,13 @@ def evict_l2() -> None:
     _EVICT[0].sum()
 
 
-def cold_ms(fn, rep: int = 60, warmup: int = 10) -> float:
-    """Median ms of fn() between CUDA events, each call after evict_l2()."""
+def event_ms(fn, rep: int = 60, warmup: int = 10, before=None) -> float:
+    """Median ms of fn() between CUDA events, over `rep` calls after `warmup` untimed ones; each
+    call after before() where given (outside the events)."""
     times = []
     for i in range(warmup + rep):
-        evict_l2()
+        if before is not None:
+            before()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -69,3 +72,8 @@ def cold_ms(fn, rep: int = 60, warmup: int = 10) -> float:
         if i >= warmup:
             times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def cold_ms(fn, rep: int = 60, warmup: int = 10) -> float:
+    """Median ms of fn() between CUDA events, each call after evict_l2()."""
+    return event_ms(fn, rep, warmup, before=evict_l2)
