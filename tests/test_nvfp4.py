@@ -165,6 +165,10 @@ def test_triton_matmul_small(m, n, k, config):
                        num_stages=1)),
     (16, 70, 512, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, WPT=4, SPLIT_K=1, num_warps=4,
                        num_stages=1)),
+    (33, 70, 256, None),  # 64-token tile, N tail
+    (17, 64, 576, None),  # 32-token tile, K = 9 x 64
+    (64, 100, 512, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, WPT=4, SPLIT_K=2, num_warps=4,
+                        num_stages=1)),
 ])
 def test_triton_decode_kernel_small(m, n, k, config):
     # The decode kernel's logical K order and split-K reduction, through the interpreter's
@@ -424,7 +428,7 @@ def test_gpu_matmul_llama_shapes(n, k):
 
 @pytest.mark.gpu
 def test_gpu_decode_kernel_configs_and_tails():
-    # Random N (tails) and M <= 16, every words-per-thread, split-K up to 8, each config twice (the
+    # Random N (tails) and M <= 64, every words-per-thread, split-K up to 8, each config twice (the
     # split-K accumulator must be back at zero), output poisoned first.
     from engine.kernels.nvfp4_decode import nvfp4_matmul, small_m_config
     torch.manual_seed(1)
@@ -441,6 +445,16 @@ def test_gpu_decode_kernel_configs_and_tails():
             if k % (bk * split) == 0 and bk >= 32 * wpt]
         for config in configs:
             for m in (1, int(torch.randint(2, 16, ())), 16):
+                for _ in range(2):
+                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float32)
+                    nvfp4_matmul(x, w, config=config, out=out)
+                    assert not out.isnan().any(), (n, k, m, config)
+                    assert rel_err(out, x.double() @ dq.t()) < 1e-5, (n, k, m, config)
+        # 32- and 64-token tiles (17 <= M <= 64): the default and a 64-row, 4-warp config.
+        for m in (int(torch.randint(17, 33, ())), int(torch.randint(33, 64, ())), 64):
+            for config in (small_m_config(m, n, k, 132),
+                           small_m_config(m, n, k, 132, block_n=64, block_k=128, num_warps=4)):
                 for _ in range(2):
                     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float32)

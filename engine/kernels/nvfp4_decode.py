@@ -3,14 +3,14 @@
 `nvfp4_matmul(x, w)`: y = x @ W^T for bf16 activations and an NVFP4 weight. Dispatch on sm_90:
 M <= GLUON_MAX_M (4) the Gluon decode kernel (engine/kernels/nvfp4_decode_gluon.py: mma.sync on
 fragments loaded straight into registers, x reused from L1; 1.04-1.26x this module's decode
-kernel at M = 1 and 4 on the Llama-3.1-8B shapes, slower at 16), 4 < M <= 16 `_small_m_kernel`
-below, larger M the tile kernel; elsewhere (other GPUs, the interpreter) `_small_m_kernel` for
-every M <= 16. A config dict picks a kernel explicitly (decode_config's: Gluon, small_m_config's:
+kernel at M = 1 and 4 on the Llama-3.1-8B shapes, slower at 16), 4 < M <= SMALL_M (64)
+`_small_m_kernel` below, larger M the tile kernel; elsewhere (other GPUs, the interpreter)
+`_small_m_kernel` for every M <= 64. A config dict picks a kernel explicitly (decode_config's: Gluon, small_m_config's:
 `_small_m_kernel`, matmul_config's: the tile kernel), which the benchmark uses to time them side
 by side.
 
-Decode (M <= 16, `_small_m_kernel`): a weight-streaming kernel. The weight tile is the MMA's A
-operand (its rows on the M side, x^T the [K, 16] B operand), so one token still feeds the tensor
+Decode (M <= 64, `_small_m_kernel`): a weight-streaming kernel. The weight tile is the MMA's A
+operand (its rows on the M side, x^T the [K, 16 | 32 | 64] B operand), so one token still feeds the tensor
 cores, which leaves the CUDA cores only the e2m1 decode: per packed 32-bit word (8 values),
 17 instructions (`_DECODE_PTX`: mask, multiply-shift, mask per bf16 pair, then one bf16x2 multiply
 by the block scale), about 2.1 per weight element. Three things keep the decode that cheap:
@@ -208,7 +208,7 @@ def _dequantize_kernel(packed_ptr, scale_ptr, tensor_scale_ptr, out_ptr, N, K: t
     tl.store(out_ptr + offs_n[:, None] * K + (k0 + offs_k)[None, :], w, mask=(offs_n < N)[:, None])
 
 
-# ------------------------------------------------------------------------------ decode, M <= 16
+# ------------------------------------------------------------------------------ decode, M <= 64
 
 def _decode_ptx() -> str:
     """PTX for one `_small_m_kernel` decode call: 16 elements of the MMA's A fragment (pack=16).
@@ -368,7 +368,7 @@ def _small_m_kernel(
             tl.store(out_ptrs, (total * scale_out).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-SMALL_M = 16
+SMALL_M = 64  # the decode kernel's range; larger M: the tile kernel, then dequantise + cuBLAS
 # The Gluon decode kernel's range: faster than _small_m_kernel at M = 1, 2, 4 on all three
 # Llama-3.1-8B shapes, mixed at 8, slower at 16 (H200; engine/kernels/nvfp4_decode_gluon.py).
 GLUON_MAX_M = 4
@@ -392,7 +392,8 @@ def small_m_config(m: int, n: int, k: int, sm_count: int, block_n: int | None = 
     """Tile shape, split-K and launch parameters of the decode kernel (keyword overrides for the
     benchmark's sweep; `maxnreg` caps registers per thread, a Triton compile option).
 
-    128-row tiles, 256 K deep, 4 words (16 bytes) per thread and row, 3 stages; K is split until
+    Tokens: one tile of BLOCK_M = 16, 32 or 64 (the smallest that holds M), the WGMMA's N.
+    M <= 16: 128-row tiles, 256 K deep, 4 words (16 bytes) per thread and row, 3 stages; K is split until
     there are 1.5 programs per SM, as long as each program keeps at least 4 K steps. Where that
     leaves too few steps (a 4096-deep 6144-row layer: 48 tiles would need 4-way splits of 4
     steps), 128 deep, 4 stages. Chosen from two H200 sweeps (BENCHMARKS.md): the fastest
@@ -400,7 +401,12 @@ def small_m_config(m: int, n: int, k: int, sm_count: int, block_n: int | None = 
     beat 8 by 1-5% everywhere. More programs per SM do not pay: 8 warps per 128 rows or 64-row
     tiles (111-127 registers, 16 warps per SM) ran 2-10% slower, and a 168-register cap on the
     default (237 registers, 2 programs per SM) spilled and ran 1.4-1.6x slower.
+    16 < M <= 64: 128-row tiles, 128 K deep, 8 warps, 4 stages (the fastest or within 2% of it
+    at M = 32 and 64 on each Llama-3.1-8B shape; 1.3-1.5x the tile kernel, BENCHMARKS.md).
     """
+    if m > SMALL_M:
+        raise ValueError(f"the decode kernel takes M <= {SMALL_M}, got {m}")
+    block_m = 16 if m <= 16 else triton.next_power_of_2(m)
     def split_for(bn, bk):
         tiles, split = triton.cdiv(n, bn), 1
         while (tiles * split < 1.5 * sm_count and k % (2 * split * bk) == 0
@@ -408,7 +414,12 @@ def small_m_config(m: int, n: int, k: int, sm_count: int, block_n: int | None = 
             split *= 2
         return split
 
-    if block_n is None and block_k is None:
+    warps = 4
+    if block_n is None and block_k is None and block_m > 16:
+        block_n, block_k, stages, warps = 128, 128, 4, 8
+        while k % block_k:
+            block_k //= 2
+    elif block_n is None and block_k is None:
         block_n, block_k, stages = 128, 256, 3
         if k % 128:  # e.g. K = 576: 64 deep (64-row tiles there decode in the wrong layout)
             block_k, stages = 64, 4
@@ -425,8 +436,8 @@ def small_m_config(m: int, n: int, k: int, sm_count: int, block_n: int | None = 
         split_k = split_for(block_n, block_k)
     if k % (split_k * block_k):
         raise ValueError(f"SPLIT_K={split_k} x BLOCK_K={block_k} does not divide K={k}")
-    cfg = {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k, "WPT": wpt, "SPLIT_K": split_k,
-           "num_warps": num_warps or 4, "num_stages": num_stages or stages}
+    cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "WPT": wpt,
+           "SPLIT_K": split_k, "num_warps": num_warps or warps, "num_stages": num_stages or stages}
     if maxnreg:
         cfg["maxnreg"] = maxnreg
     return cfg
