@@ -401,8 +401,10 @@ def small_m_config(m: int, n: int, k: int, sm_count: int, block_n: int | None = 
     beat 8 by 1-5% everywhere. More programs per SM do not pay: 8 warps per 128 rows or 64-row
     tiles (111-127 registers, 16 warps per SM) ran 2-10% slower, and a 168-register cap on the
     default (237 registers, 2 programs per SM) spilled and ran 1.4-1.6x slower.
-    16 < M <= 64: 128-row tiles, 128 K deep, 8 warps, 4 stages (the fastest or within 2% of it
-    at M = 32 and 64 on each Llama-3.1-8B shape; 1.3-1.5x the tile kernel, BENCHMARKS.md).
+    16 < M <= 64: 128-row tiles, 128 K deep, 8 warps, 4 stages: the fastest of 12 configurations
+    at M = 32 and 64 on the four Llama-3.1-8B shapes, except at 6144 x 4096, M = 32 (64-row
+    tiles with 4 warps: 13.2 against 15.2 us, while the four GEMMs of a layer summed the same);
+    1.04-1.36x the tile kernel that ran there before (H200, BENCHMARKS.md).
     """
     if m > SMALL_M:
         raise ValueError(f"the decode kernel takes M <= {SMALL_M}, got {m}")
