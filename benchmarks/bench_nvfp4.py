@@ -8,6 +8,10 @@ bytes each must move (weights as stored, activations, output) and the achieved G
 of the HBM copy bandwidth measured in the same run; TFLOP/s next to bf16 cuBLAS at 8192^3,
 measured here too.
 
+The NVFP4 Triton and Gluon kernels read the weight in 16-row x 128-K tiles, as the engine stores
+it on CUDA (engine/kernels/nvfp4.py); with --decode the Gluon decode kernel is also timed on the
+row-major order ("Gluon decode, row-major"). CuTe DSL reads row-major.
+
 Timing: each variant is captured in a CUDA graph that calls it once per weight copy, rotating over
 enough copies to exceed 2x L2, so every call reads its weights from HBM and launch gaps vanish;
 the median of 20 replays, divided by the calls per replay. Usage: python benchmarks/bench_nvfp4.py
@@ -116,8 +120,9 @@ def main():
         w_fp8 = (w_bf16.float() / w_fp8_scale).to(torch.float8_e4m3fn)
         copies_q = copies_for(w_q.nbytes, l2)
         copies_b = copies_for(w_bf16.numel() * 2, l2)
-        qs = [nv.Nvfp4Tensor(w_q.packed.clone(), w_q.block_scale.clone(), w_q.tensor_scale.clone(),
-                             w_q.shape) for _ in range(copies_q)]
+        rows_q = [nv.Nvfp4Tensor(w_q.packed.clone(), w_q.block_scale.clone(), w_q.tensor_scale.clone(),
+                                 w_q.shape) for _ in range(copies_q)]
+        qs = [nv.to_tiles(q) for q in rows_q] if nv.tileable(n, k) else rows_q  # the engine's storage
         bs = [w_bf16.clone() for _ in range(copies_b)]
         fs = [w_fp8.clone() for _ in range(copies_b)]
         dq_ref = nv.dequantize(w_q).double()
@@ -142,6 +147,10 @@ def main():
                 measure("nvfp4 Gluon decode",
                         lambda i: dec.nvfp4_matmul(x, qs[i], config=gluon_cfg), copies_q,
                         w_q.nbytes, ref)
+                if args.decode:
+                    measure("nvfp4 Gluon decode, row-major",
+                            lambda i: dec.nvfp4_matmul(x, rows_q[i], config=gluon_cfg), copies_q,
+                            w_q.nbytes, ref)
                 triton_cfg = dec.small_m_config(m, n, k, sms)
                 measure("nvfp4 Triton decode",
                         lambda i: dec.nvfp4_matmul(x, qs[i], config=triton_cfg), copies_q,
@@ -156,8 +165,8 @@ def main():
             if not args.decode:
                 from engine.kernels.cute.nvfp4_sm90 import nvfp4_gemm_sm90
                 measure("nvfp4 CuTe sm90",
-                        lambda i: nvfp4_gemm_sm90(x, qs[i].packed, qs[i].block_scale,
-                                                  qs[i].tensor_scale),
+                        lambda i: nvfp4_gemm_sm90(x, rows_q[i].packed, rows_q[i].block_scale,
+                                                  rows_q[i].tensor_scale),
                         copies_q, w_q.nbytes, ref)
                 measure("nvfp4 dequant+cuBLAS",
                         lambda i: F.linear(x, dec.dequantize_bf16(qs[i])), copies_q,
@@ -176,14 +185,14 @@ def main():
             if args.sweep and m in (1, 16):
                 def sweep_point(label, cfg):
                     """A decode configuration checked, then timed: (us, fraction of copy BW)."""
-                    check(label, dec.nvfp4_matmul(x, w_q, config=cfg), ref)
+                    check(label, dec.nvfp4_matmul(x, qs[0], config=cfg), ref)
                     t = graph_time_us(lambda i: dec.nvfp4_matmul(x, qs[i], config=cfg), copies_q)
                     return t, (w_q.nbytes + act_out_bytes) / t / 1e3 / copy_gbs
 
                 for block_n, block_k, wpt, warps, stages in SWEEP:
                     for split in (1, 2, 4, 8):
                         steps = k // block_k
-                        if steps % split or steps < 2 * split:
+                        if steps % split or steps < 2 * split or (qs[0].tiled and block_k % 128):
                             continue
                         cfg = dec.small_m_config(m, n, k, props.multi_processor_count,
                                                  block_n=block_n, block_k=block_k,
@@ -195,7 +204,7 @@ def main():
                 for warps, block_n, warps_k, wpt in GLUON_SWEEP:
                     for split in (1, 2, 4, 8):
                         k_warp = split * warps_k * 32 * wpt  # K one step covers over warps, splits
-                        if k % k_warp or k // k_warp < 2:
+                        if k % k_warp or k // k_warp < 2 or (qs[0].tiled and wpt < 4):
                             continue
                         cfg = gdec.decode_config(m, n, k, props.multi_processor_count,
                                                  num_warps=warps, block_n=block_n, warps_k=warps_k,
@@ -203,7 +212,7 @@ def main():
                         t, of_copy = sweep_point("gluon sweep", cfg)
                         gluon_sweep_rows.append((n, k, m, warps, block_n, warps_k, wpt, split, t,
                                                  of_copy))
-        qs = bs = fs = dq_ref = None  # free the copies before the next shape
+        qs = rows_q = bs = fs = dq_ref = None  # free the copies before the next shape
         torch.cuda.empty_cache()
 
     if gluon_sweep_rows:
@@ -227,7 +236,7 @@ def main():
         print(f"| {n} | {k} | {m} | {variant} | {t:.1f} | {nbytes / 1e6:.1f} | {gbs:.0f} | "
               f"{frac:.0%} | {tflops:.1f} | {err:.1e} |")
     by_key = {(n, k, m, v): t for n, k, m, v, t, *_ in rows}
-    for variant in ("nvfp4 Gluon decode", "nvfp4 Triton decode", "nvfp4 Triton",
+    for variant in ("nvfp4 Gluon decode", "nvfp4 Gluon decode, row-major", "nvfp4 Triton decode", "nvfp4 Triton",
                     "nvfp4 Triton tile", "nvfp4 CuTe sm90", "nvfp4 dequant+cuBLAS"):
         if not any(key[3] == variant for key in by_key):
             continue

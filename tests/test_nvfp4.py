@@ -114,6 +114,28 @@ def test_to_blocked_matches_its_index_definition():
     assert torch.equal(blocked, expected)
 
 
+def test_tiled_storage_matches_its_index_definition():
+    # Tiles of 16 rows x 128 K: packed[b, s, r, c] = row-major packed[16b + r, 64s + c], scales
+    # likewise with 8 per tile row; to_rows inverts it; shapes that do not tile are refused.
+    w = nv.quantize(torch.randn(48, 384) * torch.rand(48, 1))
+    t = nv.to_tiles(w)
+    assert t.tiled and not w.tiled and t.shape == w.shape
+    assert t.packed.shape == (3, 3, 16, 64) and t.block_scale.shape == (3, 3, 16, 8)
+    for b, s_, r in ((0, 0, 0), (2, 1, 15), (1, 2, 7)):
+        assert torch.equal(t.packed[b, s_, r], w.packed[16 * b + r, 64 * s_:64 * s_ + 64])
+        assert torch.equal(t.block_scale[b, s_, r].view(torch.uint8),
+                           w.block_scale[16 * b + r, 8 * s_:8 * s_ + 8].view(torch.uint8))
+    back = nv.to_rows(t)
+    assert torch.equal(back.packed, w.packed)
+    assert torch.equal(back.block_scale.view(torch.uint8), w.block_scale.view(torch.uint8))
+    assert torch.equal(nv.dequantize(t), nv.dequantize(w))
+    x = torch.randn(3, 384, dtype=torch.bfloat16)
+    torch.testing.assert_close(nv.nvfp4_linear_op(x, t.packed, t.block_scale, t.tensor_scale, torch.bfloat16),
+                               nv.nvfp4_linear_reference(x, w))
+    with pytest.raises(ValueError, match="tiled storage"):
+        nv.to_tiles(nv.quantize(torch.randn(40, 384)))
+
+
 def test_backend_from_dense():
     w = torch.randn(96, 128, dtype=torch.bfloat16)
     backend = nv.Nvfp4Weight.from_dense(w)
@@ -309,11 +331,14 @@ def test_gluon_decode_kernel_compiles_for_sm90():
     from gluon_ptx import compile_sm90, ptx_loops
     from engine.kernels.nvfp4_decode_gluon import nvfp4_decode_kernel
 
-    def compile_decode(k, block_n, wpt, mp, wk, split_k=1):
+    def compile_decode(k, block_n, wpt, mp, wk, split_k=1, tiled=False):
         return compile_sm90(nvfp4_decode_kernel, GLUON_ARGS, {"K": k, "BLOCK_N": block_n, "WPT": wpt,
-                                                               "MP": mp, "WK": wk, "SPLIT_K": split_k})
-    for block_n, wk, mp in ((64, 1, 8), (16, 4, 16)):
-        ptx = compile_decode(4096, block_n, 4, mp, wk)
+                                                               "MP": mp, "WK": wk, "SPLIT_K": split_k,
+                                                               "TILED": tiled})
+    # Row-major and tiled storage (engine/kernels/nvfp4.py) compile to the same loop.
+    for block_n, wk, mp, tiled in ((64, 1, 8, False), (16, 4, 16, False), (64, 1, 8, True),
+                                   (32, 2, 16, True)):
+        ptx = compile_decode(4096, block_n, 4, mp, wk, tiled=tiled)
         loops = ptx_loops(ptx)
         assert len(loops) == 1, len(loops)
         body = loops[0]
@@ -336,6 +361,29 @@ def test_gluon_decode_kernel_compiles_for_sm90():
     # Triton 3.6, barrier later; both compile).
     ptx = compile_decode(14336, 16, 4, 8, 4, split_k=4)
     assert "atom." in ptx or "red." in ptx
+
+
+@pytest.mark.interpreter
+def test_triton_kernels_read_tiled_storage():
+    # Every Triton kernel on a weight stored in 16-row x 128-K tiles: the decode kernel (16-, 32-
+    # and 64-token tiles, split-K), the tile kernel, dequantisation; a 64-deep K step is refused.
+    from engine.kernels import nvfp4_decode as dec
+    for m, n, k, config in [(1, 64, 256, None), (5, 96, 512, None), (33, 80, 256, None),
+                            (3, 64, 1024, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, WPT=2, SPLIT_K=4,
+                                               num_warps=4, num_stages=1)),
+                            (20, 48, 384, dec.matmul_config(20, 48, 384, 4))]:
+        w = nv.quantize(torch.randn(n, k) * torch.rand(n, 1))
+        t = nv.to_tiles(w)
+        for _ in range(2):
+            x = torch.randn(m, k).bfloat16()
+            out = torch.full((m, n), float("nan"))
+            dec.nvfp4_matmul(x, t, config=config, out=out)
+            assert not out.isnan().any()
+            assert rel_err(out, x.double() @ nv.dequantize(w).double().t()) < 1e-5, (m, n, k)
+        torch.testing.assert_close(dec.dequantize_bf16(t, torch.float32), nv.dequantize(w), rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        dec.nvfp4_matmul(torch.randn(2, 256).bfloat16(), nv.to_tiles(nv.quantize(torch.randn(32, 256))),
+                         config=dec.small_m_config(2, 32, 256, 4, block_n=32, block_k=64))
 
 
 @pytest.mark.interpreter
@@ -409,11 +457,14 @@ LLAMA_NK = [(6144, 4096), (28672, 4096), (4096, 14336)]
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tiled", [False, True])
 @pytest.mark.parametrize("n,k", LLAMA_NK)
-def test_gpu_matmul_llama_shapes(n, k):
+def test_gpu_matmul_llama_shapes(n, k, tiled):
     from engine.kernels.nvfp4_decode import nvfp4_matmul
     w = nv.quantize(torch.randn(n, k, device="cuda") * 0.02)
     dq = nv.dequantize(w).double()
+    if tiled:  # the storage Nvfp4Weight keeps on CUDA
+        w = nv.to_tiles(w)
     random_ms = torch.randint(2, 4001, (3,)).tolist()
     for m in [1, 5, 16, 17, 64, 127, 1024, 4000] + random_ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -432,9 +483,13 @@ def test_gpu_decode_kernel_configs_and_tails():
     # split-K accumulator must be back at zero), output poisoned first.
     from engine.kernels.nvfp4_decode import nvfp4_matmul, small_m_config
     torch.manual_seed(1)
-    for n, k in [(int(torch.randint(65, 3000, ())), 4096), (4096, 14336), (300, 576)]:
+    for n, k, tiled in [(int(torch.randint(65, 3000, ())), 4096, False), (4096, 14336, False),
+                        (300, 576, False), (16 * int(torch.randint(5, 190, ())), 4096, True),
+                        (4096, 14336, True)]:
         w = nv.quantize(torch.randn(n, k, device="cuda") * 0.02)
         dq = nv.dequantize(w).double()
+        if tiled:
+            w = nv.to_tiles(w)
         # The Triton decode kernel by its configs (config None would pick the Gluon kernel at
         # M <= 4 on sm_90): its defaults and four others.
         configs = [small_m_config(1, n, k, 132)] + [
@@ -442,7 +497,7 @@ def test_gpu_decode_kernel_configs_and_tails():
                            split_k=split)
             for bn, bk, wpt, split in [(64, 256, 1, 2), (128, 256, 2, 8), (64, 128, 4, 4),
                                        (128, 512, 4, 1)]
-            if k % (bk * split) == 0 and bk >= 32 * wpt]
+            if k % (bk * split) == 0 and bk >= 32 * wpt and (bk % 128 == 0 or not tiled)]
         for config in configs:
             for m in (1, int(torch.randint(2, 16, ())), 16):
                 for _ in range(2):
@@ -473,16 +528,21 @@ def test_gpu_gluon_decode_kernel_configs_and_tails():
     torch.manual_seed(2)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     # (384, 256) and (200, 64): one K step per warp (a compiled loop of no iteration).
-    for n, k in [(int(torch.randint(65, 3000, ())), 4096), (4096, 14336), (300, 576), (384, 256),
-                 (200, 64)]:
+    # Tiled storage (16-row x 128-K tiles; 4 or 8 words per thread) on N a multiple of 16.
+    for n, k, tiled in [(int(torch.randint(65, 3000, ())), 4096, False), (4096, 14336, False),
+                        (300, 576, False), (384, 256, False), (200, 64, False),
+                        (16 * int(torch.randint(5, 190, ())), 4096, True), (4096, 14336, True),
+                        (384, 256, True)]:
         w = nv.quantize(torch.randn(n, k, device="cuda") * torch.rand(n, 1, device="cuda"))
         dq = nv.dequantize(w).double()
+        if tiled:
+            w = nv.to_tiles(w)
         configs = [None] + [decode_config(1, n, k, sms, num_warps=nw, block_n=bn, warps_k=wk,
                                           split_k=split, words_per_thread=wpt)
                             for nw, bn, wk, split, wpt in [(4, 64, 1, 2, 4), (4, 32, 2, 4, 4),
                                                            (8, 32, 4, 1, 8), (4, 16, 4, 2, 8),
                                                            (2, 32, 1, 3, 2)]
-                            if k % (split * wk * 32 * wpt) == 0 and k != 14336]
+                            if k % (split * wk * 32 * wpt) == 0 and k != 14336 and (wpt >= 4 or not tiled)]
         for config in configs:
             for m in (1, int(torch.randint(2, 9, ())), 9, int(torch.randint(10, 17, ()))):
                 for _ in range(2):

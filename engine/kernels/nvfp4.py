@@ -9,6 +9,14 @@ Format (the one Blackwell's block-scaled tensor cores read):
   e4m3 maximum) and the largest value on 6 (the e2m1 maximum).
 A weight element is w = e2m1 * block_scale * tensor_scale.
 
+Storage order: row-major (packed [N, K/2], block_scale [N, K/16]), or, for the Hopper kernels,
+tiles of 16 rows x 128 K (`to_tiles`: packed [N/16, K/128, 16, 64], block_scale
+[N/16, K/128, 16, 8], each tile contiguous, tiles ordered row block then K), the same bytes
+reordered so that a warp's K step of 16 rows is one contiguous 1 KB read, and the K steps of a
+row block follow each other (the Gluon decode kernel ran 3-14% faster on it: BENCHMARKS.md). The
+shape of `packed` says which; every kernel of engine/kernels/nvfp4_decode*.py reads both, the
+references and the CuTe DSL kernels read row-major (`to_rows`).
+
 `to_blocked` gives the block-scale arrangement tcgen05 block-scaled MMA reads from memory (the
 "128x4" layout; engine/kernels/cute/nvfp4_gemm_sm100.py). `nvfp4_linear` dispatches: on CUDA the
 kernels of engine/kernels/nvfp4_decode.py (weights decoded in registers, fed to the tensor cores:
@@ -27,6 +35,7 @@ from engine.linear import LinearBackend
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 BLOCK = 16  # elements along K per e4m3 block scale
+TILE_ROWS, TILE_K = 16, 128  # the tiled storage order (module docstring)
 
 # The 8 magnitudes of e2m1, indexed by the low 3 bits of a code (bit 3 is the sign).
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -56,7 +65,8 @@ shl.b32 shifted, $4, 4;
 
 @dataclass
 class Nvfp4Tensor:
-    """A [N, K] matrix in NVFP4: packed e2m1 [N, K/2] uint8, e4m3 scales [N, K/16], fp32 scalar."""
+    """A [N, K] matrix in NVFP4: packed e2m1 [N, K/2] uint8, e4m3 scales [N, K/16], fp32 scalar;
+    or the same bytes in tiles (`tiled`: packed [N/16, K/128, 16, 64], scales [N/16, K/128, 16, 8])."""
     packed: torch.Tensor
     block_scale: torch.Tensor
     tensor_scale: torch.Tensor
@@ -65,6 +75,10 @@ class Nvfp4Tensor:
     @property
     def nbytes(self) -> int:
         return self.packed.numel() + self.block_scale.numel() + 4
+
+    @property
+    def tiled(self) -> bool:
+        return self.packed.dim() == 4
 
     def to(self, device) -> "Nvfp4Tensor":
         return Nvfp4Tensor(self.packed.to(device), self.block_scale.to(device),
@@ -120,8 +134,38 @@ def quantize(w: torch.Tensor, tensor_scale: torch.Tensor | None = None) -> Nvfp4
     return Nvfp4Tensor(pack_nibbles(codes.reshape(n, k)), block_scale, tensor_scale, (n, k))
 
 
+def tileable(n: int, k: int) -> bool:
+    return n % TILE_ROWS == 0 and k % TILE_K == 0
+
+
+def to_tiles(t: Nvfp4Tensor) -> Nvfp4Tensor:
+    """Row-major -> tiles of 16 rows x 128 K (module docstring); N % 16 == 0 and K % 128 == 0."""
+    n, k = t.shape
+    if t.tiled:
+        return t
+    if not tileable(n, k):
+        raise ValueError(f"tiled storage needs N % {TILE_ROWS} == 0 and K % {TILE_K} == 0, got {n} x {k}")
+
+    def tile(a, cols):  # [N, K / (128 / cols)] -> [N/16, K/128, 16, cols]
+        return a.reshape(n // TILE_ROWS, TILE_ROWS, k // TILE_K, cols).transpose(1, 2).contiguous()
+    return Nvfp4Tensor(tile(t.packed, TILE_K // 2), tile(t.block_scale, TILE_K // BLOCK),
+                       t.tensor_scale, t.shape)
+
+
+def to_rows(t: Nvfp4Tensor) -> Nvfp4Tensor:
+    """The inverse of to_tiles (row-major tensors come back as they are)."""
+    if not t.tiled:
+        return t
+    n, k = t.shape
+
+    def untile(a):
+        return a.transpose(1, 2).reshape(n, -1)
+    return Nvfp4Tensor(untile(t.packed), untile(t.block_scale), t.tensor_scale, t.shape)
+
+
 def dequantize(t: Nvfp4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Reference dequantisation: e2m1 * block_scale * tensor_scale, computed in fp32."""
+    t = to_rows(t)
     n, k = t.shape
     values = e2m1_decode(unpack_nibbles(t.packed)).reshape(n, k // BLOCK, BLOCK)
     w = values * (t.block_scale.float().unsqueeze(-1) * t.tensor_scale.float())
@@ -175,13 +219,19 @@ def nvfp4_linear(x: torch.Tensor, w: Nvfp4Tensor,
 def nvfp4_linear_op(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor,
                     tensor_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """nvfp4_linear as an opaque op, so torch.compile and graph tracing treat it as one node."""
-    w = Nvfp4Tensor(packed, block_scale, tensor_scale, (packed.shape[0], packed.shape[1] * 2))
-    return nvfp4_linear(x, w, out_dtype)
+    return nvfp4_linear(x, Nvfp4Tensor(packed, block_scale, tensor_scale, _shape_of(packed)), out_dtype)
+
+
+def _shape_of(packed: torch.Tensor) -> tuple[int, int]:
+    """[N, K] of a packed tensor, row-major or tiled."""
+    if packed.dim() == 4:
+        return packed.shape[0] * TILE_ROWS, packed.shape[1] * TILE_K
+    return packed.shape[0], packed.shape[1] * 2
 
 
 @nvfp4_linear_op.register_fake
 def _(x, packed, block_scale, tensor_scale, out_dtype):
-    return x.new_empty(x.shape[0], packed.shape[0], dtype=out_dtype)
+    return x.new_empty(x.shape[0], _shape_of(packed)[0], dtype=out_dtype)
 
 
 class Nvfp4Weight(LinearBackend):
@@ -195,7 +245,11 @@ class Nvfp4Weight(LinearBackend):
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor) -> "Nvfp4Weight":
-        return cls(quantize(weight), weight.dtype)
+        """Quantised; on CUDA stored in tiles where the shape allows (what the kernels read fastest)."""
+        w = quantize(weight)
+        if weight.is_cuda and tileable(*w.shape):
+            w = to_tiles(w)
+        return cls(w, weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight

@@ -140,14 +140,28 @@ def _decode_tile(packed_ptrs, scale_ptrs, row_mask, BLOCK_N: tl.constexpr, BLOCK
 
 
 @triton.jit
+def _weight_offsets(rows, cols, k0, K: tl.constexpr, PER_K: tl.constexpr, TILED: tl.constexpr):
+    """[R, C] element offsets into a weight array of PER_K elements per row and 128 K (packed
+    bytes 64, words 16, block scales 8): rows `rows`, columns `cols` counted from K position k0,
+    in row-major or tiled storage (engine/kernels/nvfp4.py; k0 a multiple of 128 there)."""
+    if TILED:
+        row_offs = (rows // 16) * (K // 128 * 16 * PER_K) + (rows % 16) * PER_K
+        c = cols + k0 // 128 * PER_K
+        return row_offs[:, None] + ((c // PER_K) * (16 * PER_K) + c % PER_K)[None, :]
+    else:
+        return rows[:, None] * (K * PER_K // 128) + (k0 * PER_K // 128 + cols)[None, :]
+
+
+@triton.jit
 def _nvfp4_matmul_kernel(
     x_ptr, packed_ptr, scale_ptr, tensor_scale_ptr, out_ptr,
     M, N, stride_xm, stride_om, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, INTERPRETER: tl.constexpr,
+    SPLIT_K: tl.constexpr, INTERPRETER: tl.constexpr, TILED: tl.constexpr,
 ):
     # K is a compile-time constant (a model has two or three): row strides K/2 and K/16 are then
-    # known multiples of 16 bytes, so weight and scale loads are 16-byte vectors.
+    # known multiples of 16 bytes, so weight and scale loads are 16-byte vectors. TILED: the
+    # weight in 16-row x 128-K tiles (BLOCK_K a multiple of 128).
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -161,9 +175,11 @@ def _nvfp4_matmul_kernel(
 
     k_per_split = K // SPLIT_K
     k_start = pid_k * k_per_split
-    packed_ptrs = packed_ptr + offs_n[:, None] * (K // 2) + (k_start // 2 + offs_kh)[None, :]
-    scale_ptrs = scale_ptr + offs_n[:, None] * (K // 16) + (k_start // 16 + offs_ks)[None, :]
+    packed_ptrs = packed_ptr + _weight_offsets(offs_n, offs_kh, k_start, K, 64, TILED)
+    scale_ptrs = scale_ptr + _weight_offsets(offs_n, offs_ks, k_start, K, 8, TILED)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
+    # Tiled, the next BLOCK_K of a row lies past the other 15 rows of its tiles.
+    ROWS_PER_STEP: tl.constexpr = 16 if TILED else 1
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for _ in range(0, k_per_split, BLOCK_K):
@@ -178,8 +194,8 @@ def _nvfp4_matmul_kernel(
         else:
             acc = tl.dot(x_even, tl.trans(w_even), acc)
             acc = tl.dot(x_odd, tl.trans(w_odd), acc)
-        packed_ptrs += BLOCK_K // 2
-        scale_ptrs += BLOCK_K // 16
+        packed_ptrs += ROWS_PER_STEP * (BLOCK_K // 2)
+        scale_ptrs += ROWS_PER_STEP * (BLOCK_K // 16)
         x_ptrs += BLOCK_K
 
     acc = acc * tl.load(tensor_scale_ptr)
@@ -193,14 +209,15 @@ def _nvfp4_matmul_kernel(
 
 @triton.jit
 def _dequantize_kernel(packed_ptr, scale_ptr, tensor_scale_ptr, out_ptr, N, K: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETER: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETER: tl.constexpr,
+                       TILED: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     offs_kh = tl.arange(0, BLOCK_K // 2)
     offs_ks = tl.arange(0, BLOCK_K // 16)
     offs_k = tl.arange(0, BLOCK_K)
-    packed_ptrs = packed_ptr + offs_n[:, None] * (K // 2) + (k0 // 2 + offs_kh)[None, :]
-    scale_ptrs = scale_ptr + offs_n[:, None] * (K // 16) + (k0 // 16 + offs_ks)[None, :]
+    packed_ptrs = packed_ptr + _weight_offsets(offs_n, offs_kh, k0, K, 64, TILED)
+    scale_ptrs = scale_ptr + _weight_offsets(offs_n, offs_ks, k0, K, 8, TILED)
     even, odd = _decode_tile(packed_ptrs, scale_ptrs, (offs_n < N)[:, None], BLOCK_N, BLOCK_K,
                              INTERPRETER)
     w = tl.join(even, odd).reshape(BLOCK_N, BLOCK_K)
@@ -306,7 +323,7 @@ def _small_m_kernel(
     x_ptr, words_ptr, scale_ptr, tensor_scale_ptr, out_ptr, acc_ptr, count_ptr,
     M, N, stride_xm, stride_om, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WPT: tl.constexpr,
-    SPLIT_K: tl.constexpr, USE_PTX: tl.constexpr, INTERPRETER: tl.constexpr,
+    SPLIT_K: tl.constexpr, USE_PTX: tl.constexpr, INTERPRETER: tl.constexpr, TILED: tl.constexpr,
 ):
     """y[M, N] = x @ W^T for M <= BLOCK_M: acc^T [BLOCK_N, BLOCK_M] = W_tile @ x_tile^T, both in
     the logical K order of _logical_k. With SPLIT_K > 1 the programs of a tile add into acc_ptr
@@ -324,8 +341,10 @@ def _small_m_kernel(
     k0 = pid_k * K_SPLIT
     # K is a compile-time multiple of BLOCK_K: word rows (K/8 ints) and scale rows (K/16 bytes)
     # are then known 16-byte multiples, so every weight load is a 16-byte vector.
-    words_ptrs = words_ptr + offs_n[:, None] * (K // 8) + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :]
-    scale_ptrs = scale_ptr + offs_n[:, None] * (K // 16) + (k0 // 16 + tl.arange(0, BLOCK_K // 16))[None, :]
+    words_ptrs = words_ptr + _weight_offsets(offs_n, tl.arange(0, BLOCK_K // 8), k0, K, 16, TILED)
+    scale_ptrs = scale_ptr + _weight_offsets(offs_n, tl.arange(0, BLOCK_K // 16), k0, K, 8, TILED)
+    # Tiled, the next BLOCK_K of a row lies past the other 15 rows of its tiles.
+    ROWS_PER_STEP: tl.constexpr = 16 if TILED else 1
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k0 + tl.arange(0, BLOCK_K))[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for _ in range(0, K_SPLIT, BLOCK_K):
@@ -351,8 +370,8 @@ def _small_m_kernel(
                 acc = tl.dot(w, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
             else:  # e2m1 x e4m3 is exact in bf16
                 acc = tl.dot(w.to(tl.bfloat16), tl.trans(x), acc)
-        words_ptrs += BLOCK_K // 8
-        scale_ptrs += BLOCK_K // 16
+        words_ptrs += ROWS_PER_STEP * (BLOCK_K // 8)
+        scale_ptrs += ROWS_PER_STEP * (BLOCK_K // 16)
         x_ptrs += BLOCK_K
 
     # The PTX decode leaves every product scaled by 2^-8 (see _decode_ptx).
@@ -458,8 +477,7 @@ def _ptx_decode_layout_ok(args: tuple, grid: tuple, cfg: dict, k: int, out_dtype
     configuration on the compiled kernel, before its first launch."""
     key = (tuple(sorted(cfg.items())), k, out_dtype)
     if key not in _PTX_LAYOUT_OK:
-        compiled = _small_m_kernel.warmup(*args, grid=grid, K=k, USE_PTX=True, INTERPRETER=False,
-                                          **cfg)
+        compiled = _small_m_kernel.warmup(*args, grid=grid, K=k, USE_PTX=True, INTERPRETER=False, **cfg)
         ok = False
         for line in compiled.asm["ttgir"].splitlines():
             if "elementwise_inline_asm" in line and "mul.rn.bf16x2" in line:
@@ -472,7 +490,8 @@ def _ptx_decode_layout_ok(args: tuple, grid: tuple, cfg: dict, k: int, out_dtype
 def _small_m_matmul(x: torch.Tensor, w: Nvfp4Tensor, out: torch.Tensor, config: dict | None):
     m, k = x.shape
     n = w.shape[0]
-    cfg = dict(config or small_m_config(m, n, k, _sm_count(x.device)))
+    cfg = dict(config or small_m_config(m, n, k, _sm_count(x.device)), TILED=w.tiled)
+    _check_tiled_depth(w, cfg["BLOCK_K"])
     split = cfg["SPLIT_K"]
     tiles = triton.cdiv(n, cfg["BLOCK_N"])
     acc, count = split_k_buffers(x.device, m * n, tiles) if split > 1 else (out, out)
@@ -482,6 +501,12 @@ def _small_m_matmul(x: torch.Tensor, w: Nvfp4Tensor, out: torch.Tensor, config: 
     use_ptx = not INTERPRET and _ptx_decode_layout_ok(args, grid, cfg, k, out.dtype)
     _small_m_kernel[grid](*args, K=k, USE_PTX=use_ptx, INTERPRETER=INTERPRET, **cfg)
     return out
+
+
+def _check_tiled_depth(w: Nvfp4Tensor, block_k: int) -> None:
+    """A tiled weight is read 128 K (one tile) at a time or in multiples of it."""
+    if w.tiled and block_k % 128:
+        raise ValueError(f"a tiled NVFP4 weight needs BLOCK_K a multiple of 128, got {block_k}")
 
 
 def _sm_count(device) -> int:
@@ -548,13 +573,14 @@ def nvfp4_matmul(x: torch.Tensor, w: Nvfp4Tensor, out_dtype: torch.dtype = torch
     if m <= SMALL_M and (config is None or "WPT" in config):
         return _small_m_matmul(x, w, out, config)
     cfg = dict(config or matmul_config(m, n, k, _sm_count(x.device)))
+    _check_tiled_depth(w, cfg["BLOCK_K"])
     split = cfg.pop("SPLIT_K")
     # Split-K partial sums meet in an fp32 buffer (atomics), cast once at the end.
     target = out if split == 1 else torch.zeros(m, n, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
     _nvfp4_matmul_kernel[grid](
         x, w.packed, w.block_scale, w.tensor_scale, target, m, n, x.stride(0), target.stride(0),
-        K=k, SPLIT_K=split, INTERPRETER=INTERPRET, **cfg)
+        K=k, SPLIT_K=split, INTERPRETER=INTERPRET, TILED=w.tiled, **cfg)
     return out if split == 1 else out.copy_(target)
 
 
@@ -564,9 +590,9 @@ def dequantize_bf16(w: Nvfp4Tensor, dtype: torch.dtype = torch.bfloat16) -> torc
     if k % 64:
         raise ValueError(f"K={k} must be a multiple of 64")
     out = torch.empty(n, k, device=w.packed.device, dtype=dtype)
-    block_n, block_k = 64, 64 if k % 256 else 256
+    block_n, block_k = 64, 256 if k % 256 == 0 else 128 if w.tiled else 64
     _dequantize_kernel[(triton.cdiv(n, block_n), k // block_k)](
         w.packed, w.block_scale, w.tensor_scale, out, n, k,
-        BLOCK_N=block_n, BLOCK_K=block_k, INTERPRETER=INTERPRET, num_warps=4)
+        BLOCK_N=block_n, BLOCK_K=block_k, INTERPRETER=INTERPRET, TILED=w.tiled, num_warps=4)
     return out
 

@@ -175,13 +175,13 @@ def _dup8(v):
 
 
 @gluon.jit
-def _load_step(words_ptrs, side_ptrs, j: gl.constexpr, WPT: gl.constexpr, WK: gl.constexpr,
+def _load_step(words_ptrs, side_ptrs, j: gl.constexpr, WK: gl.constexpr, W_STEP: gl.constexpr,
                S_STEP: gl.constexpr):
-    """Packed words (4 * WPT per row and step) and their side data (block scales or 2:4 metadata,
-    S_STEP elements from a step to the next) of the j-th K step after the pointers' (the warps' K
-    slices interleave step by step): a compile-time offset, folded into the load's address. Rows
-    past N were clamped, so nothing is masked."""
-    words = gl.load(words_ptrs + j * WK * (4 * WPT))
+    """Packed words and their side data (block scales or 2:4 metadata) of the j-th K step after
+    the pointers' (the warps' K slices interleave step by step; W_STEP words and S_STEP side
+    elements from a step to the next): a compile-time offset, folded into the load's address.
+    Rows past N were clamped, so nothing is masked."""
+    words = gl.load(words_ptrs + j * WK * W_STEP)
     side = gl.load(side_ptrs + j * WK * S_STEP)
     return words, side
 
@@ -227,41 +227,54 @@ def _mma_step(words, scales, x, acc, WK: gl.constexpr, BLOCK_N: gl.constexpr, WP
 
 
 @gluon.jit
+def _stored_offsets(ks, rows, cols, k0, K: gl.constexpr, STEP_K: gl.constexpr, PER_K: gl.constexpr,
+                    TILED: gl.constexpr):
+    """[WK, R, C] offsets of the elements (PER_K of them per row and 128 K: 16 words, or block
+    scales of 4, 2 or 1 bytes: 2, 4 or 8) of K steps `ks`, rows `rows`, columns `cols` within a
+    step, from K position k0; row-major or in tiles of 16 rows x 128 K (engine/kernels/nvfp4.py)."""
+    if TILED:  # STEP_K and k0 multiples of 128
+        c = (ks * (STEP_K // 128 * PER_K))[:, None, None] + cols[None, None, :] + k0 // 128 * PER_K
+        row = (rows // 16) * (K // 128 * 16 * PER_K) + (rows % 16) * PER_K
+        return row[None, :, None] + (c // PER_K) * (16 * PER_K) + c % PER_K
+    else:
+        return ((ks * (STEP_K * PER_K // 128))[:, None, None] + (rows * (K * PER_K // 128))[None, :, None]
+                + cols[None, None, :] + k0 * PER_K // 128)
+
+
+@gluon.jit
 def stream_pointers(words_ptr, scale_ptr, x_ptr, n0, k0, M, N, stride_xm, K: gl.constexpr,
                     BLOCK_N: gl.constexpr, WPT: gl.constexpr, MP: gl.constexpr, WN: gl.constexpr,
-                    WK: gl.constexpr, STEP_K: gl.constexpr):
+                    WK: gl.constexpr, STEP_K: gl.constexpr, TILED: gl.constexpr = False):
     """Pointers to a program's first K step: packed words [WK, BLOCK_N, 4 * WPT] (int32, 4 * WPT
     per row and step), block scales [WK, BLOCK_N, 4] (one element per thread: its WPT words'
-    scales, read as u8 / u16 / u32) and x [WK, MP, STEP_K]. Warp slice w of the WK takes
-    steps w, w + WK, ... (the CTA's warps read neighbouring chunks of the same rows together). Rows
-    past N (tail tile) re-read row N-1 and are never stored, x rows past M re-read row M-1: no
-    masks in the loop."""
+    scales, read as u8 / u16 / u32) and x [WK, MP, STEP_K]; TILED: the weight stored in tiles
+    (WPT 4 or 8). Warp slice w of the WK takes steps w, w + WK, ... (the CTA's warps read
+    neighbouring chunks of the same rows together). Rows past N (tail tile) re-read row N-1 and
+    are never stored, x rows past M re-read row M-1: no masks in the loop."""
     w_layout: gl.constexpr = words_layout(BLOCK_N, WPT, WN, WK)
     s_layout: gl.constexpr = scales_layout(BLOCK_N, WN, WK)
     xl: gl.constexpr = x_layout(MP, STEP_K, WN, WK)
-    SCALE_K: gl.constexpr = STEP_K // 4  # K per scale element (a thread's WPT / 2 scales)
     w_ks = gl.arange(0, WK, layout=gl.SliceLayout(1, gl.SliceLayout(2, w_layout)))
     w_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, w_layout)))
     w_cols = gl.arange(0, 4 * WPT, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_layout)))
-    offs_w = (w_ks[:, None, None] * (STEP_K // 8)
-              + gl.minimum(n0 + w_rows, N - 1)[None, :, None] * (K // 8) + w_cols[None, None, :])
+    offs_w = _stored_offsets(w_ks, gl.minimum(n0 + w_rows, N - 1), w_cols, k0, K, STEP_K, 16, TILED)
     s_ks = gl.arange(0, WK, layout=gl.SliceLayout(1, gl.SliceLayout(2, s_layout)))
     s_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, s_layout)))
     s_cols = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, s_layout)))
-    offs_s = (s_ks[:, None, None] * 4 + gl.minimum(n0 + s_rows, N - 1)[None, :, None] * (K // SCALE_K)
-              + s_cols[None, None, :])
+    offs_s = _stored_offsets(s_ks, gl.minimum(n0 + s_rows, N - 1), s_cols, k0, K, STEP_K,
+                             512 // STEP_K, TILED)  # 4 elements per step: 8 bytes per 128 K
     x_ks = gl.arange(0, WK, layout=gl.SliceLayout(1, gl.SliceLayout(2, xl)))
     x_rows = gl.arange(0, MP, layout=gl.SliceLayout(0, gl.SliceLayout(2, xl)))
     x_cols = gl.arange(0, STEP_K, layout=gl.SliceLayout(0, gl.SliceLayout(1, xl)))
     offs_x = (x_ks[:, None, None] * STEP_K + gl.minimum(x_rows, M - 1)[None, :, None] * stride_xm
               + x_cols[None, None, :])
-    words_ptrs = words_ptr + k0 // 8 + offs_w
+    words_ptrs = words_ptr + offs_w
     if WPT == 8:
-        scale_ptrs = scale_ptr.to(gl.pointer_type(gl.uint32), bitcast=True) + k0 // SCALE_K + offs_s
+        scale_ptrs = scale_ptr.to(gl.pointer_type(gl.uint32), bitcast=True) + offs_s
     elif WPT == 4:
-        scale_ptrs = scale_ptr.to(gl.pointer_type(gl.uint16), bitcast=True) + k0 // SCALE_K + offs_s
+        scale_ptrs = scale_ptr.to(gl.pointer_type(gl.uint16), bitcast=True) + offs_s
     else:
-        scale_ptrs = scale_ptr + k0 // SCALE_K + offs_s
+        scale_ptrs = scale_ptr + offs_s
     x_ptrs = x_ptr + k0 + offs_x
     return words_ptrs, scale_ptrs, x_ptrs
 
@@ -270,7 +283,7 @@ def stream_pointers(words_ptr, scale_ptr, x_ptr, n0, k0, M, N, stride_xm, K: gl.
 def stream_steps(MMA_STEP: gl.constexpr, words_ptrs, side_ptrs, x_ptrs, acc,
                  STEPS: gl.constexpr, STEP_K: gl.constexpr, WK: gl.constexpr, BLOCK_N: gl.constexpr,
                  WPT: gl.constexpr, MP: gl.constexpr, X_AHEAD: gl.constexpr = False,
-                 S_STEP: gl.constexpr = 4):
+                 S_STEP: gl.constexpr = 4, W_STEP: gl.constexpr = 0):
     """acc += every K step of the warp's slice, MMA_STEP(words, side, x, acc, ..) decoding
     one step. Two steps in flight: the loop body consumes steps i, i+1 and refills them with i+2,
     i+3; the pointers advance once per body, the steps are constant offsets from them. X_AHEAD:
@@ -278,13 +291,15 @@ def stream_steps(MMA_STEP: gl.constexpr, words_ptrs, side_ptrs, x_ptrs, acc,
     gate_up from 37.1 to 34.1 us at M = 1), else when its step runs (fewer registers; it helped
     the other kernels only in one 2:4 case at 16 tokens). S_STEP: side elements from a step to the
     next (4, one per thread of a row's quad; the sparse-MMA kernel's metadata registers are stored
-    per 16-row block and step)."""
+    per 16-row block and step). W_STEP: words from a step to the next (0: 4 * WPT, row-major;
+    tiled storage: 16 x that)."""
     X_STEP: gl.constexpr = WK * STEP_K
-    w_a, s_a = _load_step(words_ptrs, side_ptrs, 0, WPT, WK, S_STEP)
+    WS: gl.constexpr = W_STEP if W_STEP else 4 * WPT
+    w_a, s_a = _load_step(words_ptrs, side_ptrs, 0, WK, WS, S_STEP)
     if X_AHEAD:
         x_a = gl.load(x_ptrs)
     if STEPS > 1:
-        w_b, s_b = _load_step(words_ptrs, side_ptrs, 1, WPT, WK, S_STEP)
+        w_b, s_b = _load_step(words_ptrs, side_ptrs, 1, WK, WS, S_STEP)
         if X_AHEAD:
             x_b = gl.load(x_ptrs + X_STEP)
     else:  # one step per warp (small K): the loop below runs no iteration but is still compiled
@@ -294,17 +309,17 @@ def stream_steps(MMA_STEP: gl.constexpr, words_ptrs, side_ptrs, x_ptrs, acc,
     for _ in range((STEPS - 2) // 2):
         if X_AHEAD:
             acc = MMA_STEP(w_a, s_a, x_a, acc, WK, BLOCK_N, WPT, MP)
-            w_a, s_a = _load_step(words_ptrs, side_ptrs, 2, WPT, WK, S_STEP)
+            w_a, s_a = _load_step(words_ptrs, side_ptrs, 2, WK, WS, S_STEP)
             x_a = gl.load(x_ptrs + 2 * X_STEP)
             acc = MMA_STEP(w_b, s_b, x_b, acc, WK, BLOCK_N, WPT, MP)
-            w_b, s_b = _load_step(words_ptrs, side_ptrs, 3, WPT, WK, S_STEP)
+            w_b, s_b = _load_step(words_ptrs, side_ptrs, 3, WK, WS, S_STEP)
             x_b = gl.load(x_ptrs + 3 * X_STEP)
         else:
             acc = MMA_STEP(w_a, s_a, gl.load(x_ptrs), acc, WK, BLOCK_N, WPT, MP)
-            w_a, s_a = _load_step(words_ptrs, side_ptrs, 2, WPT, WK, S_STEP)
+            w_a, s_a = _load_step(words_ptrs, side_ptrs, 2, WK, WS, S_STEP)
             acc = MMA_STEP(w_b, s_b, gl.load(x_ptrs + X_STEP), acc, WK, BLOCK_N, WPT, MP)
-            w_b, s_b = _load_step(words_ptrs, side_ptrs, 3, WPT, WK, S_STEP)
-        words_ptrs += 2 * WK * (4 * WPT)
+            w_b, s_b = _load_step(words_ptrs, side_ptrs, 3, WK, WS, S_STEP)
+        words_ptrs += 2 * WK * WS
         side_ptrs += 2 * WK * S_STEP
         x_ptrs += 2 * X_STEP
     LEFT: gl.constexpr = STEPS - 2 * ((STEPS - 2) // 2) if STEPS > 1 else 1  # 1, 2 or 3
@@ -312,7 +327,7 @@ def stream_steps(MMA_STEP: gl.constexpr, words_ptrs, side_ptrs, x_ptrs, acc,
         x_a = gl.load(x_ptrs)
     acc = MMA_STEP(w_a, s_a, x_a, acc, WK, BLOCK_N, WPT, MP)
     if LEFT == 3:
-        w_a, s_a = _load_step(words_ptrs, side_ptrs, 2, WPT, WK, S_STEP)
+        w_a, s_a = _load_step(words_ptrs, side_ptrs, 2, WK, WS, S_STEP)
         x_a = gl.load(x_ptrs + 2 * X_STEP)
     if LEFT >= 2:
         if not X_AHEAD:
@@ -379,14 +394,17 @@ def nvfp4_decode_kernel(
     x_ptr, words_ptr, scale_ptr, tensor_scale_ptr, out_ptr, acc_ptr, count_ptr,
     M, N, stride_xm, stride_om, K: gl.constexpr,
     BLOCK_N: gl.constexpr, WPT: gl.constexpr, MP: gl.constexpr, WK: gl.constexpr,
-    SPLIT_K: gl.constexpr,
+    SPLIT_K: gl.constexpr, TILED: gl.constexpr = False,
 ):
     """y[M, N] = x @ W^T for M <= MP (8 or 16: one or two n8 token tiles). words_ptr is the packed
     weight as int32 [N, K/8], scale_ptr its e4m3 block scales [N, K/16] (read WPT/2 at a time);
     with SPLIT_K > 1 the programs of a row tile add into acc_ptr (fp32 [M, N], zero on entry) and
-    the last one writes y and zeroes acc_ptr and its counter in count_ptr."""
+    the last one writes y and zeroes acc_ptr and its counter in count_ptr. TILED: the weight
+    stored in tiles of 16 rows x 128 K (engine/kernels/nvfp4.py; WPT 4 or 8), where a row's next
+    K step lies 16 rows further on."""
     WN: gl.constexpr = gl.num_warps() // WK
     STEP_K: gl.constexpr = 32 * WPT
+    ROWS_PER_STEP: gl.constexpr = 16 if TILED else 1
     K_CTA: gl.constexpr = K // SPLIT_K
     STEPS: gl.constexpr = K_CTA // (WK * STEP_K)  # per warp
     mma: gl.constexpr = mma_layout(WN, WK)
@@ -396,10 +414,11 @@ def nvfp4_decode_kernel(
     n0 = pid_n * BLOCK_N
     k0 = pid_k * K_CTA
     words_ptrs, scale_ptrs, x_ptrs = stream_pointers(
-        words_ptr, scale_ptr, x_ptr, n0, k0, M, N, stride_xm, K, BLOCK_N, WPT, MP, WN, WK, STEP_K)
+        words_ptr, scale_ptr, x_ptr, n0, k0, M, N, stride_xm, K, BLOCK_N, WPT, MP, WN, WK, STEP_K,
+        TILED)
     acc = gl.zeros([WK, BLOCK_N, MP], gl.float32, layout=mma)
     acc = stream_steps(_mma_step, words_ptrs, scale_ptrs, x_ptrs, acc, STEPS, STEP_K, WK, BLOCK_N,
-                       WPT, MP)
+                       WPT, MP, S_STEP=4 * ROWS_PER_STEP, W_STEP=4 * WPT * ROWS_PER_STEP)
 
     store_rows(_times_tensor_scale, acc, tensor_scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr,
                count_ptr, BLOCK_N, MP, SPLIT_K)
@@ -452,7 +471,9 @@ def decode_matmul(x: torch.Tensor, w, out: torch.Tensor,
     n = w.shape[0]
     if config is None:
         config = decode_config(m, n, k, _sm_count(x.device))
-    cfg = dict(config)
+    cfg = dict(config, TILED=w.tiled)
+    if w.tiled and cfg["WPT"] < 4:
+        raise ValueError("a tiled NVFP4 weight needs 4 or 8 words per thread and step")
     split = cfg["SPLIT_K"]
     tiles = triton.cdiv(n, cfg["BLOCK_N"])
     acc, count = split_k_buffers(x.device, m * n, tiles) if split > 1 else (out, out)
