@@ -33,11 +33,15 @@ Design (Marlin-style, every operand in registers; explicit layouts, checked at c
   same launch like engine/kernels/split_k.py (`_split_k_arrive` / `_split_k_take`, the same
   protocol and buffers, in Gluon).
 
-Measured (H200, CUDA-graph medians, weights rotated beyond L2; bench_nvfp4.py --decode, copy
-4263 GB/s): at M = 1, 8.9 / 26.0 / 16.5 us for 6144 x 4096, 28672 x 4096, 4096 x 14336, i.e.
-37% / 60% / 47% of copy bandwidth, 1.13x / 1.26x / 1.08x the Triton decode kernel and 1.8-2.2x
-bf16 cuBLAS; 1.04-1.14x the Triton kernel at M = 4. Slower at M = 16 (13.4 / 59.8 / 34.9 us
-against 10.5 / 32.5 / 18.2; mixed at M = 8), so `nvfp4_matmul` keeps the Triton kernel there:
+Storage: row-major or the 16-row x 128-K tiles the engine keeps on CUDA (TILED; engine/kernels/
+nvfp4.py), where a warp's K step of 16 rows is one contiguous 1 KB read: 1.02-1.11x the row-major
+order at M = 1 and 4 (BENCHMARKS.md).
+
+Measured on the tiled order (H200, CUDA-graph medians, weights rotated beyond L2; bench_nvfp4.py
+--decode, copy 4226 GB/s): at M = 1, 8.7 / 25.5 / 15.9 us for 6144 x 4096, 28672 x 4096,
+4096 x 14336, i.e. 38% / 61% / 49% of copy bandwidth, 1.1-1.3x the Triton decode kernel and
+2.0-2.3x bf16 cuBLAS. Slower at M = 16 (12.7 / 49.7 / 32.8 us against 10.0 / 33.7 / 18.8 for
+the Triton kernel; mixed at M = 8 in an earlier run), so `nvfp4_matmul` keeps the Triton kernel there:
 each warp loads its own x fragment, 4 KB per K step at 16 tokens against 1 KB of weights (ncu,
 28672 x 4096, 128-row programs: 5x the weight bytes through L1, L1 71% busy), where WGMMA reads
 x from shared memory once per warpgroup.
@@ -46,9 +50,9 @@ What limits M = 1 is the access pattern more than the decode: the same loads wit
 out (a probe, not kept) reached 46-64% of copy bandwidth with 64 contiguous bytes per row, warp
 and step, 55-72% with 128 (WPT = 8, which is slower once the decode is back: fewer steps per warp,
 more registers). ncu at 28672 x 4096, M = 1: 55% DRAM throughput, 53% issue-active, 72 registers
-(7 programs per SM), long-scoreboard stalls half of the warps' cycles. Reaching 75% needs longer
-contiguous runs per row than the fragment layout gives each warp, e.g. coalesced copies into
-shared memory with the fragments read from there.
+(7 programs per SM), long-scoreboard stalls half of the warps' cycles. Neither more bytes in
+flight (a TMA ring in shared memory; four K steps in registers) nor a 12-instruction decode made
+it faster; the tiled storage, longer contiguous reads, did (BENCHMARKS.md).
 """
 from __future__ import annotations
 
