@@ -13,9 +13,10 @@ Storage order: row-major (packed [N, K/2], block_scale [N, K/16]), or, for the H
 tiles of 16 rows x 128 K (`to_tiles`: packed [N/16, K/128, 16, 64], block_scale
 [N/16, K/128, 16, 8], each tile contiguous, tiles ordered row block then K), the same bytes
 reordered so that a warp's K step of 16 rows is one contiguous 1 KB read, and the K steps of a
-row block follow each other (the Gluon decode kernel ran 3-14% faster on it: BENCHMARKS.md). The
-shape of `packed` says which; every kernel of engine/kernels/nvfp4_decode*.py reads both, the
-references and the CuTe DSL kernels read row-major (`to_rows`).
+row block follow each other (the Gluon decode kernel ran 2-14% faster on it in two sessions'
+runs: BENCHMARKS.md). The shape of `packed` says which; every kernel of
+engine/kernels/nvfp4_decode*.py reads both, the references and the CuTe DSL kernels read
+row-major (`to_rows`).
 
 `to_blocked` gives the block-scale arrangement tcgen05 block-scaled MMA reads from memory (the
 "128x4" layout; engine/kernels/cute/nvfp4_gemm_sm100.py). `nvfp4_linear` dispatches: on CUDA the
