@@ -556,6 +556,47 @@ def test_gpu_gluon_decode_kernel_configs_and_tails():
 
 
 @pytest.mark.gpu
+def test_gpu_gluon_swiglu_epilogue():
+    # silu(gate) * up of a fused gate/up weight in the Gluon decode kernel's epilogue: random F
+    # (tails), both storage orders, warps splitting rows or K, split-K (twice: the scratch must be
+    # back at zero), outputs poisoned; and through Nvfp4Weight.swiglu_forward.
+    from engine.kernels.nvfp4_decode_gluon import decode_config, decode_matmul, swiglu_config
+    torch.manual_seed(3)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for f, k, tiled in [(16 * int(torch.randint(3, 400, ())), 4096, True), (14336, 4096, True),
+                        (16 * int(torch.randint(3, 400, ())), 4096, False), (304, 576, False)]:
+        n = 2 * f
+        w = nv.quantize(torch.randn(n, k, device="cuda") * torch.rand(n, 1, device="cuda"))
+        dq = nv.dequantize(w).double()
+        if tiled:
+            w = nv.to_tiles(w)
+        wpt = 4 if k % 128 == 0 else 2
+        configs = [swiglu_config(1, n, k, sms)] + [
+            decode_config(1, n, k, sms, num_warps=nw, block_n=bn, warps_k=wk, split_k=split,
+                          words_per_thread=wpt)
+            for nw, bn, wk, split in [(4, 32, 4, 1), (4, 64, 2, 2), (4, 128, 1, 1), (8, 64, 4, 4)]
+            if k % (split * wk * 32 * wpt) == 0]
+        for config in configs:
+            for m in (1, int(torch.randint(2, 5, ())), 9):
+                for _ in range(2):
+                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                    y = x.double() @ dq.t()
+                    ref = torch.nn.functional.silu(y[:, :f]) * y[:, f:]
+                    out = torch.full((m, f), float("nan"), device="cuda", dtype=torch.float32)
+                    decode_matmul(x, w, out, config, swiglu=True)
+                    assert not out.isnan().any(), (f, k, m, config)
+                    assert rel_err(out, ref) < 1e-5, (f, k, m, config)
+    backend = nv.Nvfp4Weight.from_dense(torch.randn(2 * 4096, 1024, device="cuda", dtype=torch.bfloat16))
+    assert backend.weight.tiled
+    x = torch.randn(3, 1024, device="cuda", dtype=torch.bfloat16)
+    y = x.double() @ nv.dequantize(backend.weight).double().t()
+    h = backend.swiglu_forward(x)
+    assert h.shape == (3, 4096) and h.dtype == torch.bfloat16
+    assert rel_err(h, torch.nn.functional.silu(y[:, :4096]) * y[:, 4096:]) < 5e-3
+    assert backend.swiglu_forward(torch.randn(5, 1024, device="cuda", dtype=torch.bfloat16)) is None
+
+
+@pytest.mark.gpu
 def test_gpu_decode_kernel_arithmetic_fallback(monkeypatch):
     # Where the compiled layout does not suit the PTX decode, the kernel decodes arithmetically.
     from engine.kernels import nvfp4_decode as dec

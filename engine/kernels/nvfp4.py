@@ -256,6 +256,17 @@ class Nvfp4Weight(LinearBackend):
         w = self.weight
         return nvfp4_linear_op(x, w.packed, w.block_scale, w.tensor_scale, x.dtype)
 
+    def swiglu_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up in the Gluon decode kernel's epilogue (M <= 4 on sm_90), else None."""
+        from engine.kernels import nvfp4_decode
+        w = self.weight
+        m, n = x.shape[0], w.shape[0]
+        if not (x.is_cuda and m <= nvfp4_decode.GLUON_MAX_M and nvfp4_decode._gluon_device(x.device)
+                and n % 32 == 0 and nvfp4_decode.supported(x, w)):
+            return None
+        out = torch.empty(m, n // 2, device=x.device, dtype=x.dtype)
+        return nvfp4_decode.decode_matmul(x.to(torch.bfloat16), w, out, swiglu=True)
+
     def dequantize(self) -> torch.Tensor:
         return dequantize(self.weight, self.dtype)
 

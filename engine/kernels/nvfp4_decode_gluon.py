@@ -246,13 +246,28 @@ def _stored_offsets(ks, rows, cols, k0, K: gl.constexpr, STEP_K: gl.constexpr, P
 
 
 @gluon.jit
+def _weight_rows(n0, rows, N, WN: gl.constexpr, SWIGLU: gl.constexpr):
+    """The weight row each program row reads (clamped to the last). SWIGLU (a fused gate/up
+    weight: rows [0, N/2) gate, [N/2, N) up): a program of BLOCK_N rows takes BLOCK_N/2 gate rows
+    and the same up rows, n0/2 onwards; of a warp's 16-row blocks (registers, 16 * WN rows apart)
+    the even ones are gate, the odd ones up, so each thread holds both of its outputs (`store_rows`)."""
+    if SWIGLU:
+        pair = rows // (32 * WN)
+        out = pair * (16 * WN) + rows % (16 * WN)
+        return gl.minimum(n0 // 2 + out, N // 2 - 1) + ((rows // (16 * WN)) % 2) * (N // 2)
+    else:
+        return gl.minimum(n0 + rows, N - 1)
+
+
+@gluon.jit
 def stream_pointers(words_ptr, scale_ptr, x_ptr, n0, k0, M, N, stride_xm, K: gl.constexpr,
                     BLOCK_N: gl.constexpr, WPT: gl.constexpr, MP: gl.constexpr, WN: gl.constexpr,
-                    WK: gl.constexpr, STEP_K: gl.constexpr, TILED: gl.constexpr = False):
+                    WK: gl.constexpr, STEP_K: gl.constexpr, TILED: gl.constexpr = False,
+                    SWIGLU: gl.constexpr = False):
     """Pointers to a program's first K step: packed words [WK, BLOCK_N, 4 * WPT] (int32, 4 * WPT
     per row and step), block scales [WK, BLOCK_N, 4] (one element per thread: its WPT words'
     scales, read as u8 / u16 / u32) and x [WK, MP, STEP_K]; TILED: the weight stored in tiles
-    (WPT 4 or 8). Warp slice w of the WK takes steps w, w + WK, ... (the CTA's warps read
+    (WPT 4 or 8); SWIGLU: rows as `_weight_rows` maps them. Warp slice w of the WK takes steps w, w + WK, ... (the CTA's warps read
     neighbouring chunks of the same rows together). Rows past N (tail tile) re-read row N-1 and
     are never stored, x rows past M re-read row M-1: no masks in the loop."""
     w_layout: gl.constexpr = words_layout(BLOCK_N, WPT, WN, WK)
@@ -261,11 +276,12 @@ def stream_pointers(words_ptr, scale_ptr, x_ptr, n0, k0, M, N, stride_xm, K: gl.
     w_ks = gl.arange(0, WK, layout=gl.SliceLayout(1, gl.SliceLayout(2, w_layout)))
     w_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, w_layout)))
     w_cols = gl.arange(0, 4 * WPT, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_layout)))
-    offs_w = _stored_offsets(w_ks, gl.minimum(n0 + w_rows, N - 1), w_cols, k0, K, STEP_K, 16, TILED)
+    offs_w = _stored_offsets(w_ks, _weight_rows(n0, w_rows, N, WN, SWIGLU), w_cols, k0, K, STEP_K, 16,
+                             TILED)
     s_ks = gl.arange(0, WK, layout=gl.SliceLayout(1, gl.SliceLayout(2, s_layout)))
     s_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, s_layout)))
     s_cols = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, s_layout)))
-    offs_s = _stored_offsets(s_ks, gl.minimum(n0 + s_rows, N - 1), s_cols, k0, K, STEP_K,
+    offs_s = _stored_offsets(s_ks, _weight_rows(n0, s_rows, N, WN, SWIGLU), s_cols, k0, K, STEP_K,
                              512 // STEP_K, TILED)  # 4 elements per step: 8 bytes per 128 K
     x_ks = gl.arange(0, WK, layout=gl.SliceLayout(1, gl.SliceLayout(2, xl)))
     x_rows = gl.arange(0, MP, layout=gl.SliceLayout(0, gl.SliceLayout(2, xl)))
@@ -365,11 +381,14 @@ def _split_k_take(acc_ptrs, mask, counter_ptr):
 
 @gluon.jit
 def store_rows(ROW_SCALE: gl.constexpr, acc, scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr,
-               count_ptr, BLOCK_N: gl.constexpr, MP: gl.constexpr, SPLIT_K: gl.constexpr):
+               count_ptr, BLOCK_N: gl.constexpr, MP: gl.constexpr, SPLIT_K: gl.constexpr,
+               SWIGLU_WN: gl.constexpr = 0):
     """y[:M, n0 : n0 + BLOCK_N] = ROW_SCALE(total, scale_ptr, rows, N), total the sum of the warps'
     K slices (through shared memory when WK > 1). With SPLIT_K > 1 the programs of a row tile add
     into acc_ptr (fp32 [M, N], zero on entry) and the last one writes y and zeroes acc_ptr and its
-    counter in count_ptr."""
+    counter in count_ptr. SWIGLU_WN > 0: the rows are gate and up rows as `_weight_rows` maps them
+    with WN = SWIGLU_WN, and y[:M, n0/2 : (n0 + BLOCK_N)/2] = silu(gate) * up, N/2 wide (the
+    split-K scratch is then indexed by program row, programs x BLOCK_N wide)."""
     mma: gl.constexpr = acc.type.layout
     total = gl.sum(acc, axis=0)
     out_layout: gl.constexpr = gl.SliceLayout(0, mma)
@@ -377,14 +396,44 @@ def store_rows(ROW_SCALE: gl.constexpr, acc, scale_ptr, n0, pid_n, M, N, out_ptr
     cols_o = gl.arange(0, MP, layout=gl.SliceLayout(0, out_layout))
     out_ptrs = out_ptr + cols_o[None, :] * stride_om + rows_o[:, None]
     mask = (cols_o < M)[None, :] & (rows_o < N)[:, None]
-    if SPLIT_K == 1:
-        gl.store(out_ptrs, ROW_SCALE(total, scale_ptr, rows_o, N).to(out_ptr.dtype.element_ty), mask=mask)
+    if SWIGLU_WN > 0:
+        width = gl.num_programs(0) * BLOCK_N
+        scratch_mask = (cols_o < M)[None, :] & (rows_o >= 0)[:, None]
     else:
-        acc_ptrs = acc_ptr + cols_o[None, :] * N + rows_o[:, None]
-        if _split_k_arrive(total, acc_ptrs, mask, count_ptr + pid_n, SPLIT_K):
-            total = _split_k_take(acc_ptrs, mask, count_ptr + pid_n)
-            gl.store(out_ptrs, ROW_SCALE(total, scale_ptr, rows_o, N).to(out_ptr.dtype.element_ty),
-                     mask=mask)
+        width = N
+        scratch_mask = mask
+    if SPLIT_K > 1:
+        acc_ptrs = acc_ptr + cols_o[None, :] * width + rows_o[:, None]
+        last = _split_k_arrive(total, acc_ptrs, scratch_mask, count_ptr + pid_n, SPLIT_K)
+        if last:
+            total = _split_k_take(acc_ptrs, scratch_mask, count_ptr + pid_n)
+    else:
+        last = True
+    if last:
+        y = ROW_SCALE(total, scale_ptr, rows_o, N)
+        if SWIGLU_WN > 0:
+            _store_swiglu(y, rows_o - n0, cols_o, n0 // 2, M, N // 2, out_ptr, stride_om, BLOCK_N, MP,
+                          16 * SWIGLU_WN)
+        else:
+            gl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _store_swiglu(y, rows, cols, o0, M, F, out_ptr, stride_om, BLOCK_N: gl.constexpr, MP: gl.constexpr,
+                  SPAN: gl.constexpr):
+    """y [BLOCK_N, MP]: program rows in (pair, gate | up, SPAN) order (`_weight_rows`); the gate /
+    up bit is a register bit of the MMA layout, so the split moves no data. Writes
+    silu(gate) * up to out[:M, o0 + pair * SPAN + r]."""
+    PAIRS: gl.constexpr = BLOCK_N // (2 * SPAN)
+    gate, up = gl.split(y.reshape(PAIRS, 2, SPAN, MP).permute(0, 2, 3, 1))
+    r = gl.zeros_like(y.to(gl.int32)) + rows[:, None]
+    c = gl.zeros_like(y.to(gl.int32)) + cols[None, :]
+    r, _ = gl.split(r.reshape(PAIRS, 2, SPAN, MP).permute(0, 2, 3, 1))
+    c, _ = gl.split(c.reshape(PAIRS, 2, SPAN, MP).permute(0, 2, 3, 1))
+    out_row = o0 + (r // (2 * SPAN)) * SPAN + r % SPAN
+    h = gate / (1.0 + gl.exp(-gate)) * up
+    gl.store(out_ptr + c * stride_om + out_row, h.to(out_ptr.dtype.element_ty),
+             mask=(c < M) & (out_row < F))
 
 
 @gluon.jit
@@ -398,14 +447,16 @@ def nvfp4_decode_kernel(
     x_ptr, words_ptr, scale_ptr, tensor_scale_ptr, out_ptr, acc_ptr, count_ptr,
     M, N, stride_xm, stride_om, K: gl.constexpr,
     BLOCK_N: gl.constexpr, WPT: gl.constexpr, MP: gl.constexpr, WK: gl.constexpr,
-    SPLIT_K: gl.constexpr, TILED: gl.constexpr = False,
+    SPLIT_K: gl.constexpr, TILED: gl.constexpr = False, SWIGLU: gl.constexpr = False,
 ):
     """y[M, N] = x @ W^T for M <= MP (8 or 16: one or two n8 token tiles). words_ptr is the packed
     weight as int32 [N, K/8], scale_ptr its e4m3 block scales [N, K/16] (read WPT/2 at a time);
     with SPLIT_K > 1 the programs of a row tile add into acc_ptr (fp32 [M, N], zero on entry) and
     the last one writes y and zeroes acc_ptr and its counter in count_ptr. TILED: the weight
     stored in tiles of 16 rows x 128 K (engine/kernels/nvfp4.py; WPT 4 or 8), where a row's next
-    K step lies 16 rows further on."""
+    K step lies 16 rows further on. SWIGLU: W is a fused gate/up projection (rows [0, N/2) gate,
+    [N/2, N) up) and y [M, N/2] = silu(gate) * up, formed in registers before the one store (each
+    warp needs an even number of 16-row blocks; with split-K, scratch programs x BLOCK_N wide)."""
     WN: gl.constexpr = gl.num_warps() // WK
     STEP_K: gl.constexpr = 32 * WPT
     ROWS_PER_STEP: gl.constexpr = 16 if TILED else 1
@@ -419,13 +470,15 @@ def nvfp4_decode_kernel(
     k0 = pid_k * K_CTA
     words_ptrs, scale_ptrs, x_ptrs = stream_pointers(
         words_ptr, scale_ptr, x_ptr, n0, k0, M, N, stride_xm, K, BLOCK_N, WPT, MP, WN, WK, STEP_K,
-        TILED)
+        TILED, SWIGLU)
+    if SWIGLU:
+        gl.static_assert((BLOCK_N // (16 * WN)) % 2 == 0, "SwiGLU: an even number of row blocks per warp")
     acc = gl.zeros([WK, BLOCK_N, MP], gl.float32, layout=mma)
     acc = stream_steps(_mma_step, words_ptrs, scale_ptrs, x_ptrs, acc, STEPS, STEP_K, WK, BLOCK_N,
                        WPT, MP, S_STEP=4 * ROWS_PER_STEP, W_STEP=4 * WPT * ROWS_PER_STEP)
 
     store_rows(_times_tensor_scale, acc, tensor_scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr,
-               count_ptr, BLOCK_N, MP, SPLIT_K)
+               count_ptr, BLOCK_N, MP, SPLIT_K, WN if SWIGLU else 0)
 
 
 def decode_config(m: int, n: int, k: int, sm_count: int, block_n: int | None = None,
@@ -468,23 +521,45 @@ def decode_config(m: int, n: int, k: int, sm_count: int, block_n: int | None = N
             "num_warps": num_warps}
 
 
-def decode_matmul(x: torch.Tensor, w, out: torch.Tensor,
-                  config: dict | None = None) -> torch.Tensor:
-    """out[M, N] = x[M, K] @ W^T for M <= 16, bf16 x (unit stride along K), W an Nvfp4Tensor."""
+def decode_matmul(x: torch.Tensor, w, out: torch.Tensor, config: dict | None = None,
+                  swiglu: bool = False) -> torch.Tensor:
+    """out[M, N] = x[M, K] @ W^T for M <= 16, bf16 x (unit stride along K), W an Nvfp4Tensor.
+    swiglu: W a fused gate/up projection, out[M, N/2] = silu(gate) * up (swiglu_config's
+    configurations; N/2 a multiple of 16)."""
     m, k = x.shape
     n = w.shape[0]
     if config is None:
-        config = decode_config(m, n, k, _sm_count(x.device))
-    cfg = dict(config, TILED=w.tiled)
+        config = (swiglu_config if swiglu else decode_config)(m, n, k, _sm_count(x.device))
+    cfg = dict(config, TILED=w.tiled, SWIGLU=swiglu)
     if w.tiled and cfg["WPT"] < 4:
         raise ValueError("a tiled NVFP4 weight needs 4 or 8 words per thread and step")
+    row_blocks = cfg["BLOCK_N"] // (16 * (cfg["num_warps"] // cfg["WK"]))
+    if swiglu and (n % 32 or row_blocks % 2):
+        raise ValueError(f"SwiGLU epilogue: N/2 a multiple of 16 and an even number of row blocks "
+                         f"per warp (N={n}, {row_blocks})")
     split = cfg["SPLIT_K"]
-    tiles = triton.cdiv(n, cfg["BLOCK_N"])
-    acc, count = split_k_buffers(x.device, m * n, tiles) if split > 1 else (out, out)
+    tiles = triton.cdiv(n // 2, cfg["BLOCK_N"] // 2) if swiglu else triton.cdiv(n, cfg["BLOCK_N"])
+    acc, count = (split_k_buffers(x.device, m * tiles * cfg["BLOCK_N"], tiles) if split > 1
+                  else (out, out))
     nvfp4_decode_kernel[(tiles, split)](
         x, w.packed.view(torch.int32), w.block_scale.view(torch.uint8), w.tensor_scale, out, acc,
         count, m, n, x.stride(0), out.stride(0), K=k, MP=8 if m <= 8 else 16, **cfg)
     return out
+
+
+def swiglu_config(m: int, n: int, k: int, sm_count: int) -> dict:
+    """decode_config's tiling for the SwiGLU epilogue, which needs an even number of 16-row blocks
+    per warp (gate, up): where it has one, twice the warps along K over the same rows, else twice
+    the rows. At 28672 x 4096 (32 rows x 2 K slices -> 32 x 4) the fused GEMM took 25.3 us against
+    27.1 for the GEMM and the SwiGLU kernel (26.6 with 64 x 2; H200, M = 1; BENCHMARKS.md)."""
+    cfg = decode_config(m, n, k, sm_count)
+    wk, step = cfg["WK"], 32 * cfg["WPT"]
+    if (cfg["BLOCK_N"] // (16 * (cfg["num_warps"] // wk))) % 2:
+        if cfg["num_warps"] % (2 * wk) == 0 and k % (cfg["SPLIT_K"] * 2 * wk * step) == 0:
+            cfg["WK"] = 2 * wk
+        else:
+            cfg["BLOCK_N"] *= 2
+    return cfg
 
 
 _SM_COUNT: dict = {}
