@@ -621,6 +621,14 @@ def test_gpu_tail_n_and_dispatch():
         y = nv.nvfp4_linear(x, w)
         assert y.dtype == torch.bfloat16 and not y.isnan().any()
         assert rel_err(y, x.double() @ dq.t()) < 5e-3
+    # Large M decodes into one reused scratch buffer: back-to-back GEMMs of a smaller, a larger
+    # (the buffer grows) and a tiled weight, each against its own reference.
+    ws = [w, nv.quantize(torch.randn(3000, 4096, device="cuda")),
+          nv.to_tiles(nv.quantize(torch.randn(512, 4096, device="cuda")))]
+    x = torch.randn(300, 4096, device="cuda", dtype=torch.bfloat16)
+    ys = [nv.nvfp4_linear(x, wi) for wi in ws]
+    for wi, y in zip(ws, ys):
+        assert rel_err(y, x.double() @ nv.dequantize(wi).double().t()) < 5e-3
 
 
 @pytest.mark.gpu

@@ -212,7 +212,7 @@ def nvfp4_linear(x: torch.Tensor, w: Nvfp4Tensor,
         x = x.contiguous()
         if x.shape[0] <= FUSED_MAX_M:
             return nvfp4_decode.nvfp4_matmul(x, w, out_dtype)
-        return F.linear(x.to(torch.bfloat16), nvfp4_decode.dequantize_bf16(w)).to(out_dtype)
+        return F.linear(x.to(torch.bfloat16), nvfp4_decode.dequantize_scratch(w)).to(out_dtype)
     return nvfp4_linear_reference(x, w, out_dtype)
 
 

@@ -584,15 +584,34 @@ def nvfp4_matmul(x: torch.Tensor, w: Nvfp4Tensor, out_dtype: torch.dtype = torch
     return out if split == 1 else out.copy_(target)
 
 
-def dequantize_bf16(w: Nvfp4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The dense [N, K] weight, decoded on the device."""
+def dequantize_bf16(w: Nvfp4Tensor, dtype: torch.dtype = torch.bfloat16,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """The dense [N, K] weight, decoded on the device (into `out` if given)."""
     n, k = w.shape
     if k % 64:
         raise ValueError(f"K={k} must be a multiple of 64")
-    out = torch.empty(n, k, device=w.packed.device, dtype=dtype)
+    if out is None:
+        out = torch.empty(n, k, device=w.packed.device, dtype=dtype)
     block_n, block_k = 64, 256 if k % 256 == 0 else 128 if w.tiled else 64
     _dequantize_kernel[(triton.cdiv(n, block_n), k // block_k)](
         w.packed, w.block_scale, w.tensor_scale, out, n, k,
         BLOCK_N=block_n, BLOCK_K=block_k, INTERPRETER=INTERPRET, TILED=w.tiled, num_warps=4)
     return out
 
+
+_SCRATCH: dict = {}
+
+
+def dequantize_scratch(w: Nvfp4Tensor) -> torch.Tensor:
+    """dequantize_bf16 into one bf16 buffer per device, grown to the largest weight and reused by
+    every large-M GEMM: the decoded weight lives only until cuBLAS has read it (recompute instead of
+    store), and a fresh [N, K] allocation per GEMM (235 MB for an 8B model's gate/up) made the
+    caching allocator free and re-reserve memory when the KV cache left little room. The engine
+    runs its GEMMs on one stream, so the next decode into the buffer waits for the last reader."""
+    n, k = w.shape
+    device = w.packed.device
+    buf = _SCRATCH.get(device)
+    if buf is None or buf.numel() < n * k:
+        _SCRATCH.pop(device, None)
+        buf = _SCRATCH[device] = torch.empty(n * k, device=device, dtype=torch.bfloat16)
+    return dequantize_bf16(w, out=buf[:n * k].view(n, k))
