@@ -236,8 +236,8 @@ def main():
         print(f"| {n} | {k} | {m} | {variant} | {t:.1f} | {nbytes / 1e6:.1f} | {gbs:.0f} | "
               f"{frac:.0%} | {tflops:.1f} | {err:.1e} |")
     by_key = {(n, k, m, v): t for n, k, m, v, t, *_ in rows}
-    for variant in ("nvfp4 Gluon decode", "nvfp4 Gluon decode, row-major", "nvfp4 Triton decode", "nvfp4 Triton",
-                    "nvfp4 Triton tile", "nvfp4 CuTe sm90", "nvfp4 dequant+cuBLAS"):
+    for variant in ("nvfp4 Gluon decode", "nvfp4 Gluon decode, row-major", "nvfp4 Triton decode",
+                    "nvfp4 Triton", "nvfp4 Triton tile", "nvfp4 CuTe sm90", "nvfp4 dequant+cuBLAS"):
         if not any(key[3] == variant for key in by_key):
             continue
         print(f"\nspeed-up of {variant} over bf16 cuBLAS")

@@ -4,10 +4,12 @@
 M <= GLUON_MAX_M (4) the Gluon decode kernel (engine/kernels/nvfp4_decode_gluon.py: mma.sync on
 fragments loaded straight into registers, x reused from L1; 1.04-1.26x this module's decode
 kernel at M = 1 and 4 on the Llama-3.1-8B shapes, slower at 16), 4 < M <= SMALL_M (64)
-`_small_m_kernel` below, larger M the tile kernel; elsewhere (other GPUs, the interpreter)
-`_small_m_kernel` for every M <= 64. A config dict picks a kernel explicitly (decode_config's: Gluon, small_m_config's:
-`_small_m_kernel`, matmul_config's: the tile kernel), which the benchmark uses to time them side
-by side.
+`_small_m_kernel` below, larger M the tile kernel, past 128 dequantise + cuBLAS (engine/kernels/
+nvfp4.py); elsewhere (other GPUs, the interpreter) `_small_m_kernel` for every M <= 64. A config
+dict picks a kernel explicitly (decode_config's: Gluon, small_m_config's: `_small_m_kernel`,
+matmul_config's: the tile kernel), which the benchmark uses to time them side by side. Every
+kernel here reads the weight row-major or in the 16-row tiles the engine stores (engine/kernels/
+nvfp4.py).
 
 Decode (M <= 64, `_small_m_kernel`): a weight-streaming kernel. The weight tile is the MMA's A
 operand (its rows on the M side, x^T the [K, 16 | 32 | 64] B operand), so one token still feeds the tensor
@@ -420,7 +422,7 @@ def small_m_config(m: int, n: int, k: int, sm_count: int, block_n: int | None = 
     beat 8 by 1-5% everywhere. More programs per SM do not pay: 8 warps per 128 rows or 64-row
     tiles (111-127 registers, 16 warps per SM) ran 2-10% slower, and a 168-register cap on the
     default (237 registers, 2 programs per SM) spilled and ran 1.4-1.6x slower.
-    16 < M <= 64: 128-row tiles, 128 K deep, 8 warps, 4 stages: the fastest of 12 configurations
+    16 < M <= 64: 128-row tiles, 128 K deep, 8 warps, 4 stages: the fastest configuration swept
     at M = 32 and 64 on the four Llama-3.1-8B shapes, except at 6144 x 4096, M = 32 (64-row
     tiles with 4 warps: 13.2 against 15.2 us, while the four GEMMs of a layer summed the same);
     1.04-1.36x the tile kernel that ran there before (H200, BENCHMARKS.md).

@@ -267,9 +267,10 @@ def stream_pointers(words_ptr, scale_ptr, x_ptr, n0, k0, M, N, stride_xm, K: gl.
     """Pointers to a program's first K step: packed words [WK, BLOCK_N, 4 * WPT] (int32, 4 * WPT
     per row and step), block scales [WK, BLOCK_N, 4] (one element per thread: its WPT words'
     scales, read as u8 / u16 / u32) and x [WK, MP, STEP_K]; TILED: the weight stored in tiles
-    (WPT 4 or 8); SWIGLU: rows as `_weight_rows` maps them. Warp slice w of the WK takes steps w, w + WK, ... (the CTA's warps read
-    neighbouring chunks of the same rows together). Rows past N (tail tile) re-read row N-1 and
-    are never stored, x rows past M re-read row M-1: no masks in the loop."""
+    (WPT 4 or 8); SWIGLU: rows as `_weight_rows` maps them. Warp slice w of the WK takes steps
+    w, w + WK, ... (the CTA's warps read neighbouring chunks of the same rows together). Rows past
+    N (tail tile) re-read row N-1 and are never stored, x rows past M re-read row M-1: no masks in
+    the loop."""
     w_layout: gl.constexpr = words_layout(BLOCK_N, WPT, WN, WK)
     s_layout: gl.constexpr = scales_layout(BLOCK_N, WN, WK)
     xl: gl.constexpr = x_layout(MP, STEP_K, WN, WK)
