@@ -188,6 +188,7 @@ def test_triton_matmul_small(m, n, k, config):
     (16, 70, 512, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, WPT=4, SPLIT_K=1, num_warps=4,
                        num_stages=1)),
     (33, 70, 256, None),  # 64-token tile, N tail
+    (100, 48, 256, None),  # 128-token tile
     (17, 64, 576, None),  # 32-token tile, K = 9 x 64
     (64, 100, 512, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, WPT=4, SPLIT_K=2, num_warps=4,
                         num_stages=1)),
@@ -506,8 +507,9 @@ def test_gpu_decode_kernel_configs_and_tails():
                     nvfp4_matmul(x, w, config=config, out=out)
                     assert not out.isnan().any(), (n, k, m, config)
                     assert rel_err(out, x.double() @ dq.t()) < 1e-5, (n, k, m, config)
-        # 32- and 64-token tiles (17 <= M <= 64): the default and a 64-row, 4-warp config.
-        for m in (int(torch.randint(17, 33, ())), int(torch.randint(33, 64, ())), 64):
+        # 32-, 64- and 128-token tiles (17 <= M <= 128): the default and a 64-row, 4-warp config.
+        for m in (int(torch.randint(17, 33, ())), int(torch.randint(33, 64, ())), 64,
+                  int(torch.randint(65, 129, ()))):
             for config in (small_m_config(m, n, k, 132),
                            small_m_config(m, n, k, 132, block_n=64, block_k=128, num_warps=4)):
                 for _ in range(2):

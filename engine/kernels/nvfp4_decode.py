@@ -3,17 +3,18 @@
 `nvfp4_matmul(x, w)`: y = x @ W^T for bf16 activations and an NVFP4 weight. Dispatch on sm_90:
 M <= GLUON_MAX_M (4) the Gluon decode kernel (engine/kernels/nvfp4_decode_gluon.py: mma.sync on
 fragments loaded straight into registers, x reused from L1; 1.04-1.26x this module's decode
-kernel at M = 1 and 4 on the Llama-3.1-8B shapes, slower at 16), 4 < M <= SMALL_M (64)
-`_small_m_kernel` below, larger M the tile kernel, past 128 dequantise + cuBLAS (engine/kernels/
-nvfp4.py); elsewhere (other GPUs, the interpreter) `_small_m_kernel` for every M <= 64. A config
-dict picks a kernel explicitly (decode_config's: Gluon, small_m_config's: `_small_m_kernel`,
-matmul_config's: the tile kernel), which the benchmark uses to time them side by side. Every
-kernel here reads the weight row-major or in the 16-row tiles the engine stores (engine/kernels/
-nvfp4.py).
+kernel at M = 1 and 4 on the Llama-3.1-8B shapes, slower at 16), 4 < M <= SMALL_M (128)
+`_small_m_kernel` below, larger M dequantise + cuBLAS (engine/kernels/nvfp4.py); elsewhere
+(other GPUs, the interpreter) `_small_m_kernel` for every M <= 128. The tile kernel runs for
+larger M called here directly, or by its config (it was the default for 16 < M <= 128 before the
+decode kernel's wider token tiles). A config dict picks a kernel explicitly (decode_config's:
+Gluon, small_m_config's: `_small_m_kernel`, matmul_config's: the tile kernel), which the
+benchmark uses to time them side by side. Every kernel here reads the weight row-major or in
+the 16-row tiles the engine stores (engine/kernels/nvfp4.py).
 
-Decode (M <= 64, `_small_m_kernel`): a weight-streaming kernel. The weight tile is the MMA's A
-operand (its rows on the M side, x^T the [K, 16 | 32 | 64] B operand), so one token still feeds the tensor
-cores, which leaves the CUDA cores only the e2m1 decode: per packed 32-bit word (8 values),
+Decode (M <= 128, `_small_m_kernel`): a weight-streaming kernel. The weight tile is the MMA's A
+operand (its rows on the M side, x^T the [K, 16..128] B operand), so one token still feeds the
+tensor cores, which leaves the CUDA cores only the e2m1 decode: per packed 32-bit word (8 values),
 17 instructions (`_DECODE_PTX`: mask, multiply-shift, mask per bf16 pair, then one bf16x2 multiply
 by the block scale), about 2.1 per weight element. Three things keep the decode that cheap:
 - the word is never split across threads: the MMA's A fragment gives each thread 2 rows x 8 K
@@ -227,7 +228,7 @@ def _dequantize_kernel(packed_ptr, scale_ptr, tensor_scale_ptr, out_ptr, N, K: t
     tl.store(out_ptr + offs_n[:, None] * K + (k0 + offs_k)[None, :], w, mask=(offs_n < N)[:, None])
 
 
-# ------------------------------------------------------------------------------ decode, M <= 64
+# ----------------------------------------------------------------------------- decode, M <= 128
 
 def _decode_ptx() -> str:
     """PTX for one `_small_m_kernel` decode call: 16 elements of the MMA's A fragment (pack=16).
@@ -389,7 +390,7 @@ def _small_m_kernel(
             tl.store(out_ptrs, (total * scale_out).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-SMALL_M = 64  # the decode kernel's range; larger M: the tile kernel, then dequantise + cuBLAS
+SMALL_M = 128  # the decode kernel's range (nvfp4.FUSED_MAX_M); larger M: dequantise + cuBLAS
 # The Gluon decode kernel's range: faster than _small_m_kernel at M = 1, 2, 4 on all three
 # Llama-3.1-8B shapes, mixed at 8, slower at 16 (H200; engine/kernels/nvfp4_decode_gluon.py).
 GLUON_MAX_M = 4
@@ -413,7 +414,7 @@ def small_m_config(m: int, n: int, k: int, sm_count: int, block_n: int | None = 
     """Tile shape, split-K and launch parameters of the decode kernel (keyword overrides for the
     benchmark's sweep; `maxnreg` caps registers per thread, a Triton compile option).
 
-    Tokens: one tile of BLOCK_M = 16, 32 or 64 (the smallest that holds M), the WGMMA's N.
+    Tokens: one tile of BLOCK_M = 16, 32, 64 or 128 (the smallest that holds M), the WGMMA's N.
     M <= 16: 128-row tiles, 256 K deep, 4 words (16 bytes) per thread and row, 3 stages; K is split until
     there are 1.5 programs per SM, as long as each program keeps at least 4 K steps. Where that
     leaves too few steps (a 4096-deep 6144-row layer: 48 tiles would need 4-way splits of 4
@@ -422,10 +423,12 @@ def small_m_config(m: int, n: int, k: int, sm_count: int, block_n: int | None = 
     beat 8 by 1-5% everywhere. More programs per SM do not pay: 8 warps per 128 rows or 64-row
     tiles (111-127 registers, 16 warps per SM) ran 2-10% slower, and a 168-register cap on the
     default (237 registers, 2 programs per SM) spilled and ran 1.4-1.6x slower.
-    16 < M <= 64: 128-row tiles, 128 K deep, 8 warps, 4 stages: the fastest configuration swept
-    at M = 32 and 64 on the four Llama-3.1-8B shapes, except at 6144 x 4096, M = 32 (64-row
-    tiles with 4 warps: 13.2 against 15.2 us, while the four GEMMs of a layer summed the same);
-    1.04-1.36x the tile kernel that ran there before (H200, BENCHMARKS.md).
+    16 < M <= 128: 128-row tiles, 128 K deep, 8 warps, 4 stages: the fastest configuration swept
+    at M = 32, 64, 96 and 128 on the four Llama-3.1-8B shapes, except at 6144 x 4096, M = 32
+    (64-row tiles with 4 warps: 13.2 against 15.2 us, while the four GEMMs of a layer summed the
+    same). Against the tile kernel that ran there before: 1.04-1.36x per GEMM up to M = 64; at
+    96 and 128 slower on the two small shapes (up to 1.14x) and faster on the two large ones (up
+    to 1.17x), 5-8% faster over a layer's four GEMMs (H200, BENCHMARKS.md).
     """
     if m > SMALL_M:
         raise ValueError(f"the decode kernel takes M <= {SMALL_M}, got {m}")
