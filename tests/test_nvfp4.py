@@ -188,7 +188,8 @@ def test_triton_matmul_small(m, n, k, config):
     (16, 70, 512, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, WPT=4, SPLIT_K=1, num_warps=4,
                        num_stages=1)),
     (33, 70, 256, None),  # 64-token tile, N tail
-    (100, 48, 256, None),  # 128-token tile
+    (100, 48, 256, dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, WPT=4, SPLIT_K=1, num_warps=4,
+                        num_stages=1)),  # 128-token tile (by default only for N >= WIDE_N)
     (17, 64, 576, None),  # 32-token tile, K = 9 x 64
     (64, 100, 512, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, WPT=4, SPLIT_K=2, num_warps=4,
                         num_stages=1)),

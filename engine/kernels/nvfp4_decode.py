@@ -3,16 +3,15 @@
 `nvfp4_matmul(x, w)`: y = x @ W^T for bf16 activations and an NVFP4 weight. Dispatch on sm_90:
 M <= GLUON_MAX_M (4) the Gluon decode kernel (engine/kernels/nvfp4_decode_gluon.py: mma.sync on
 fragments loaded straight into registers, x reused from L1; 1.04-1.26x this module's decode
-kernel at M = 1 and 4 on the Llama-3.1-8B shapes, slower at 16), 4 < M <= SMALL_M (128)
-`_small_m_kernel` below, larger M dequantise + cuBLAS (engine/kernels/nvfp4.py); elsewhere
-(other GPUs, the interpreter) `_small_m_kernel` for every M <= 128. The tile kernel runs for
-larger M called here directly, or by its config (it was the default for 16 < M <= 128 before the
-decode kernel's wider token tiles). A config dict picks a kernel explicitly (decode_config's:
+kernel at M = 1 and 4 on the Llama-3.1-8B shapes, slower at 16), 4 < M <= SMALL_M (64)
+`_small_m_kernel` below (to M = 128 for N >= WIDE_N, `decode_kernel_takes`), larger M the tile
+kernel (engine/kernels/nvfp4.py sends M > 128 to dequantise + cuBLAS); elsewhere (other GPUs, the
+interpreter) the same without the Gluon kernel. A config dict picks a kernel explicitly (decode_config's:
 Gluon, small_m_config's: `_small_m_kernel`, matmul_config's: the tile kernel), which the
 benchmark uses to time them side by side. Every kernel here reads the weight row-major or in
 the 16-row tiles the engine stores (engine/kernels/nvfp4.py).
 
-Decode (M <= 128, `_small_m_kernel`): a weight-streaming kernel. The weight tile is the MMA's A
+Decode (M <= 64, or 128, `_small_m_kernel`): a weight-streaming kernel. The weight tile is the MMA's A
 operand (its rows on the M side, x^T the [K, 16..128] B operand), so one token still feeds the
 tensor cores, which leaves the CUDA cores only the e2m1 decode: per packed 32-bit word (8 values),
 17 instructions (`_DECODE_PTX`: mask, multiply-shift, mask per bf16 pair, then one bf16x2 multiply
@@ -228,7 +227,7 @@ def _dequantize_kernel(packed_ptr, scale_ptr, tensor_scale_ptr, out_ptr, N, K: t
     tl.store(out_ptr + offs_n[:, None] * K + (k0 + offs_k)[None, :], w, mask=(offs_n < N)[:, None])
 
 
-# ----------------------------------------------------------------------------- decode, M <= 128
+# ------------------------------------------------------------------------------ decode, M <= 64
 
 def _decode_ptx() -> str:
     """PTX for one `_small_m_kernel` decode call: 16 elements of the MMA's A fragment (pack=16).
@@ -390,7 +389,8 @@ def _small_m_kernel(
             tl.store(out_ptrs, (total * scale_out).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-SMALL_M = 128  # the decode kernel's range (nvfp4.FUSED_MAX_M); larger M: dequantise + cuBLAS
+SMALL_M = 64  # the decode kernel's range; up to 128 rows for N >= WIDE_N (decode_kernel_takes)
+WIDE_N = 16384
 # The Gluon decode kernel's range: faster than _small_m_kernel at M = 1, 2, 4 on all three
 # Llama-3.1-8B shapes, mixed at 8, slower at 16 (H200; engine/kernels/nvfp4_decode_gluon.py).
 GLUON_MAX_M = 4
@@ -427,11 +427,11 @@ def small_m_config(m: int, n: int, k: int, sm_count: int, block_n: int | None = 
     at M = 32, 64, 96 and 128 on the four Llama-3.1-8B shapes, except at 6144 x 4096, M = 32
     (64-row tiles with 4 warps: 13.2 against 15.2 us, while the four GEMMs of a layer summed the
     same). Against the tile kernel that ran there before: 1.04-1.36x per GEMM up to M = 64; at
-    96 and 128 slower on the two small shapes (up to 1.14x) and faster on the two large ones (up
-    to 1.17x), 5-8% faster over a layer's four GEMMs (H200, BENCHMARKS.md).
+    M = 96 and 128 1.07-1.10x at 28672 rows, even at 4096 x 14336, slower at 4096 and 6144 rows
+    (up to 1.17x), so `nvfp4_matmul` runs it there only for N >= WIDE_N (H200, BENCHMARKS.md).
     """
-    if m > SMALL_M:
-        raise ValueError(f"the decode kernel takes M <= {SMALL_M}, got {m}")
+    if m > 2 * SMALL_M:
+        raise ValueError(f"the decode kernel takes M <= {2 * SMALL_M}, got {m}")
     block_m = 16 if m <= 16 else triton.next_power_of_2(m)
     def split_for(bn, bk):
         tiles, split = triton.cdiv(n, bn), 1
@@ -554,6 +554,13 @@ def matmul_config(m: int, n: int, k: int, sm_count: int, block_n: int | None = N
                 num_stages=num_stages or (4 if m <= 16 else 3))
 
 
+def decode_kernel_takes(m: int, n: int) -> bool:
+    """Whether `_small_m_kernel` runs M tokens by default: up to SMALL_M, and up to 2 x SMALL_M
+    for wide weights (at 96-128 tokens it beat the tile kernel only at N = 28672 of the
+    Llama-3.1-8B shapes; small_m_config)."""
+    return m <= SMALL_M or (m <= 2 * SMALL_M and n >= WIDE_N)
+
+
 def supported(x: torch.Tensor, w: Nvfp4Tensor) -> bool:
     """The kernels need K a multiple of 64 (32-byte packed rows) and a unit-stride x row."""
     return w.shape[1] % 64 == 0 and x.dim() == 2 and x.stride(1) == 1 and x.dtype in (
@@ -575,7 +582,7 @@ def nvfp4_matmul(x: torch.Tensor, w: Nvfp4Tensor, out_dtype: torch.dtype = torch
         x = x.to(torch.bfloat16)
     if (config is None and m <= GLUON_MAX_M and _gluon_device(x.device)) or (config and "WK" in config):
         return decode_matmul(x, w, out, config)
-    if m <= SMALL_M and (config is None or "WPT" in config):
+    if (config is None and decode_kernel_takes(m, n)) or (config and "WPT" in config):
         return _small_m_matmul(x, w, out, config)
     cfg = dict(config or matmul_config(m, n, k, _sm_count(x.device)))
     _check_tiled_depth(w, cfg["BLOCK_K"])
