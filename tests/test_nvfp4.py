@@ -500,25 +500,23 @@ def test_gpu_decode_kernel_configs_and_tails():
             for bn, bk, wpt, split in [(64, 256, 1, 2), (128, 256, 2, 8), (64, 128, 4, 4),
                                        (128, 512, 4, 1)]
             if k % (bk * split) == 0 and bk >= 32 * wpt and (bk % 128 == 0 or not tiled)]
+
+        def check_twice(m, config):
+            for _ in range(2):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float32)
+                nvfp4_matmul(x, w, config=config, out=out)
+                assert not out.isnan().any(), (n, k, m, config)
+                assert rel_err(out, x.double() @ dq.t()) < 1e-5, (n, k, m, config)
         for config in configs:
             for m in (1, int(torch.randint(2, 16, ())), 16):
-                for _ in range(2):
-                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float32)
-                    nvfp4_matmul(x, w, config=config, out=out)
-                    assert not out.isnan().any(), (n, k, m, config)
-                    assert rel_err(out, x.double() @ dq.t()) < 1e-5, (n, k, m, config)
+                check_twice(m, config)
         # 32-, 64- and 128-token tiles (17 <= M <= 128): the default and a 64-row, 4-warp config.
         for m in (int(torch.randint(17, 33, ())), int(torch.randint(33, 64, ())), 64,
                   int(torch.randint(65, 129, ()))):
             for config in (small_m_config(m, n, k, 132),
                            small_m_config(m, n, k, 132, block_n=64, block_k=128, num_warps=4)):
-                for _ in range(2):
-                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float32)
-                    nvfp4_matmul(x, w, config=config, out=out)
-                    assert not out.isnan().any(), (n, k, m, config)
-                    assert rel_err(out, x.double() @ dq.t()) < 1e-5, (n, k, m, config)
+                check_twice(m, config)
 
 
 @pytest.mark.gpu
