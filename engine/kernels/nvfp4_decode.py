@@ -433,6 +433,7 @@ def small_m_config(m: int, n: int, k: int, sm_count: int, block_n: int | None = 
     if m > 2 * SMALL_M:
         raise ValueError(f"the decode kernel takes M <= {2 * SMALL_M}, got {m}")
     block_m = 16 if m <= 16 else triton.next_power_of_2(m)
+
     def split_for(bn, bk):
         tiles, split = triton.cdiv(n, bn), 1
         while (tiles * split < 1.5 * sm_count and k % (2 * split * bk) == 0
@@ -443,8 +444,6 @@ def small_m_config(m: int, n: int, k: int, sm_count: int, block_n: int | None = 
     warps = 4
     if block_n is None and block_k is None and block_m > 16:
         block_n, block_k, stages, warps = 128, 128, 4, 8
-        while k % block_k:
-            block_k //= 2
     elif block_n is None and block_k is None:
         block_n, block_k, stages = 128, 256, 3
         if k % 128:  # e.g. K = 576: 64 deep (64-row tiles there decode in the wrong layout)
@@ -625,5 +624,6 @@ def dequantize_scratch(w: Nvfp4Tensor) -> torch.Tensor:
     buf = _SCRATCH.get(device)
     if buf is None or buf.numel() < n * k:
         _SCRATCH.pop(device, None)
+        del buf  # the outgrown buffer goes back to the allocator before the larger one is taken
         buf = _SCRATCH[device] = torch.empty(n * k, device=device, dtype=torch.bfloat16)
     return dequantize_bf16(w, out=buf[:n * k].view(n, k))
