@@ -543,6 +543,7 @@ def engine_overrides(args, ap) -> dict:
         out["offload"] = True
     if args.gpu_memory_limit is not None:
         out["gpu_memory_limit"] = args.gpu_memory_limit
+    out["tune"] = args.tune
     try:
         graphs = allocator.resolve_cuda_graphs(args.allocator, False if args.no_cuda_graphs else None)
     except ValueError as e:
@@ -590,6 +591,9 @@ def main(argv=None):
     ap.add_argument("--gpu-memory-limit", type=float, default=None, metavar="GIB",
                     help="every config: GiB of device memory for weights, KV cache and activations")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="every config: decode steps run eagerly")
+    ap.add_argument("--tune", choices=("on", "off"), default="on",
+                    help="time the GEMM kernels at engine start (cached in ~/.cache/microengine) or "
+                         "take each op's defaults")
     allocator.add_arguments(ap)
     ap.add_argument("--replot", metavar="RESULTS_JSON",
                     help="only redraw the table and pictures of an earlier run's results.json")

@@ -637,6 +637,8 @@ ENGINE_HELP = {
     "sparse_ffn": "prune the FFN weights to 2:4 with this method (alone: magnitude)",
     "fused_kernels": "fused Triton norm/RoPE/SwiGLU kernels; off: PyTorch references (attention "
                      "always uses its Triton kernels on cuda) (default: on)",
+    "tune": "on: time the GEMM kernels for this model's shapes at start (cached in "
+            "~/.cache/microengine); off: each op's default kernel",
     "tokenizer": "tokenizer directory for shape presets (default: the embedded model's, or "
                  "$MICROENGINE_TOKENIZER)",
     "kv_cache_tokens": "KV-cache size in tokens (default: --kv-cache-memory-fraction of free GPU memory)",

@@ -45,6 +45,9 @@ class EngineConfig:
     weights: str = "bf16"                 # linear-layer weight format: bf16 (the model dtype), fp8, nvfp4
     sparse_ffn: str | None = None         # None, "magnitude" or "wanda": prune FFN weights to 2:4
     fused_kernels: bool | None = None     # fused Triton norm/RoPE/SwiGLU kernels; None: on (where Triton runs)
+    # "on": tune the GEMM kernels at start for the shapes and M buckets this engine runs, cached on
+    # disk (engine/kernels/tuner.py); "off": every op takes its kernel list's defaults.
+    tune: str = "on"
     # KV cache: a token count, or else a fraction of the free device memory (cuda) / a fixed default (cpu)
     kv_cache_tokens: int | None = None
     kv_cache_memory_fraction: float = 0.85
@@ -71,6 +74,8 @@ class EngineConfig:
             self.tokenizer = os.environ.get("MICROENGINE_TOKENIZER")
         if self.weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights: {self.weights!r} is not one of {', '.join(WEIGHT_FORMATS)}")
+        if self.tune not in ("on", "off"):
+            raise ValueError(f"tune: {self.tune!r} is not 'on' or 'off'")
         if self.sparse_ffn is not None and self.sparse_ffn not in SPARSE_METHODS:
             raise ValueError(f"sparse_ffn: {self.sparse_ffn!r} is not one of {', '.join(SPARSE_METHODS)}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:

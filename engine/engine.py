@@ -22,8 +22,10 @@ import torch
 
 from engine.batch import PLACEHOLDER, build_prefill_only, plan_batch
 from engine.config import EngineConfig, resolve_device, resolve_dtype
-from engine.kernels.norms import set_fused_kernels, triton_available
-from engine.linear import convert_model, input_channel_norms, move_dense
+from engine.kernels.platform import triton_runs
+from engine.kernels.select import m_bucket
+from engine.kernels.tuner import Tuner
+from engine.linear import convert_model, input_channel_norms, tune_model
 from engine.memory.host_ring import PinnedRing
 from engine.memory.kv_cache import KVCache
 from engine.quality import calibration_windows
@@ -31,7 +33,7 @@ from engine.sampling import Sampler, SamplingParams, TokenLogprob
 from engine.scheduler import ScheduledSeq, Scheduler, Sequence, Status
 from engine.streams import FakeStreams, StepStreams, TokenReadback
 from engine.streams.streams import Ticket
-import models.loader  # module import: models.llama imports engine.kernels, so this cycles
+import models.loader
 
 log = logging.getLogger("microengine")
 
@@ -138,8 +140,6 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         # Non-blocking CUDA streams on the GPU; on the CPU the same plumbing runs on no-op streams.
         self.streams = StepStreams(self.device) if self.device.type == "cuda" else FakeStreams(keep_log=False)
-        # A process-wide switch: engines in one process share the setting of the last one built.
-        set_fused_kernels(config.fused_kernels)
         # Under a memory limit the model may not fit the device: it is loaded into host memory and
         # the decoder layers go to the device one at a time (_place_layers).
         layerwise = config.gpu_memory_limit is not None or config.offload
@@ -150,6 +150,7 @@ class Engine:
                                           self.dtype, seed=config.seed, tokenizer=config.tokenizer,
                                           draw_device=self.device)
         self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
+        self.model.set_fused_kernels(config.fused_kernels is not False)
         self.model_config = cfg = self.model.config
         self.streamer = None
         if layerwise:
@@ -168,6 +169,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv_cache.pool, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.enable_prefix_caching)
         self.sampler = Sampler(self.device, config.seed)
+        self._tune()
         self.graphs = None
         # Streamed layers swap their weights in forward hooks, which a captured graph would skip.
         if self.device.type == "cuda" and config.cuda_graphs and self.streamer is None:
@@ -230,11 +232,11 @@ class Engine:
         c, model = self.config, self.model
         for name, module in model.named_children():
             if name != "layers":
-                move_dense(module, self.device)
+                module.to(self.device)
         model.inv_freq = model.inv_freq.to(self.device)
 
         def place(i):
-            move_dense(model.layers[i], self.device)
+            model.layers[i].to(self.device)
             convert_model(model, c.weights, c.sparse_ffn, layers=[i])
 
         place(0)    # Llama's layers are alike: the first one, converted, sizes the plan
@@ -263,9 +265,25 @@ class Engine:
                     torch.cuda.empty_cache()    # the layer's device copy is gone: give its memory back
         return streamer
 
+    def _tune(self) -> None:
+        """Tune the GEMM kernels for every M bucket the engine will run (decode batches up to
+        max_num_seqs, prefill steps up to max_num_batched_tokens), before serving: on disk after the
+        first start (engine/kernels/tuner.py). Streamed layers are not tuned (their weights move)."""
+        if self.device.type != "cuda" or self.streamer is not None:
+            return
+        c = self.config
+        top = m_bucket(max(c.max_num_seqs, c.max_num_batched_tokens))
+        tuner = Tuner(enabled=c.tune == "on")
+        t0 = time.perf_counter()
+        tune_model(self.model, tuner, [1 << i for i in range(top.bit_length())])
+        if tuner.timed:
+            tuner.save()
+            log.info("tuned %d kernel candidates in %.1f s (cache: %s)", tuner.timed,
+                     time.perf_counter() - t0, tuner.path)
+
     def _capture_graphs(self) -> None:
         from engine.cuda_graphs import DecodeGraphs
-        if not triton_available(self.model.embed_tokens.weight):
+        if not triton_runs(self.model.embed_tokens.weight):
             return      # the reference attention syncs with the host: nothing to capture
         max_blocks = -(-self.max_model_len // self.config.block_size)
         graphs = DecodeGraphs(self.model, self.kv_cache, min(self.config.max_num_seqs, 512),

@@ -23,9 +23,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, device=device, dtype=dtype), requires_grad=False)
         self.eps = eps
+        self.fused = True   # the engine's fused-kernels switch (LlamaForCausalLM.set_fused_kernels)
 
     def forward(self, x, residual=None, quant=None):
-        return rms_norm(x, self.weight, self.eps, residual, quant)
+        return rms_norm(x, self.weight, self.eps, residual, quant, self.fused)
 
 
 class LlamaAttention(nn.Module):
@@ -39,6 +40,7 @@ class LlamaAttention(nn.Module):
         # q, k and v in one GEMM: the activation is read once.
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, device, dtype)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, device, dtype)
+        self.fused = True
 
     def forward(self, x, positions, batch, inv_freq):
         qkv = self.qkv_proj(x)
@@ -50,7 +52,7 @@ class LlamaAttention(nn.Module):
         k_cache, v_cache = batch.kv_cache.layer(self.layer_idx) if batch.kv_cache is not None else (None, None)
         # RoPE also stores this step's K/V in the paged cache (one kernel)
         kv_write = (v, k_cache, v_cache, batch.slot_mapping) if k_cache is not None else None
-        q, k = apply_rope(q, k, positions, inv_freq, kv_write)
+        q, k = apply_rope(q, k, positions, inv_freq, kv_write, self.fused)
         o = attend(q, k, v, batch, k_cache, v_cache, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -145,6 +147,13 @@ class LlamaForCausalLM(nn.Module):
         w = self.embed_tokens.weight if self.lm_head is None else None
         logits = hidden @ w.t() if w is not None else self.lm_head(hidden)
         return logits.float()
+
+    def set_fused_kernels(self, enabled: bool) -> None:
+        """The fused norm, RoPE and SwiGLU kernels (True) or their PyTorch references (False), for
+        this model only. Attention is not switched: its reference is no baseline to time."""
+        for module in self.modules():
+            if hasattr(module, "fused"):
+                module.fused = enabled
 
     def linear_layers(self, ffn_only=False):
         """(name, Linear) of the decoder layers' GEMMs: what a weight format converts."""

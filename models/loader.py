@@ -81,7 +81,7 @@ def load_preset(name: str, device, dtype, seed: int, tokenizer: str | None = Non
     model = LlamaForCausalLM(cfg, device=device, dtype=dtype)
     draw_device = torch.device(draw_device or device)
     gen = torch.Generator(device=draw_device).manual_seed(seed)
-    params = list(model.named_parameters())
+    params = list(model.state_dict(keep_vars=True).items())  # parameters and the Linears' weight buffers
     with _progress(len(params), f"random {name}") as bar:
         for pname, p in params:
             if pname.endswith("norm.weight"):

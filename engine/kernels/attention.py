@@ -19,22 +19,17 @@ Block tables are int32 [num_seqs, max_blocks]; context lengths int32; block_size
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.norms import interpreted, triton_available
+from engine.kernels.platform import interpreting, jit, sm_count, triton_runs
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # no Triton: the references run
     triton = None
-
-
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
 
 
 def write_kv_ref(k, v, k_cache, v_cache, slot_mapping):
@@ -118,7 +113,7 @@ def _repeat_heads(x, group):
 # Triton kernels
 
 
-@_jit
+@jit
 def _dot(a, b, EXACT_FP32: tl.constexpr):
     """a @ b, fp32 accumulation. EXACT_FP32: on fp32 copies without tf32, for fp32 inputs and
     under the interpreter (whose dot multiplies bf16 bit patterns as integers); bf16 products are
@@ -130,7 +125,7 @@ def _dot(a, b, EXACT_FP32: tl.constexpr):
     return c
 
 
-@_jit
+@jit
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                      k_stride_t, k_stride_h, v_stride_t, v_stride_h,
                      c_stride_block, c_stride_row, c_stride_head, n_kv_heads,
@@ -147,7 +142,7 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-@_jit
+@jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
                    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, scale_log2e,
                    q_stride_b, q_stride_h, c_stride_block, c_stride_row, c_stride_head, bt_stride, n_heads,
@@ -198,7 +193,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
                  mask=(is_head & (l > 0))[:, None])   # an empty split writes no acc
 
 
-@_jit
+@jit
 def _decode_merge_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
                          NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Merge one (sequence, head)'s per-split softmax partials: rescale each to the global max."""
@@ -214,7 +209,7 @@ def _decode_merge_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
     tl.store(out_ptr + row * HEAD_DIM + d, o.to(out_ptr.dtype.element_ty))
 
 
-@_jit
+@jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
                     cu_seqlens_ptr, context_lens_ptr, block_ends_ptr, out_ptr, scale_log2e,
                     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
@@ -301,7 +296,7 @@ def check_cache(k_cache, v_cache, head_dim):
 
 
 def _exact_fp32_dot(dtype):
-    return dtype == torch.float32 or interpreted()
+    return dtype == torch.float32 or interpreting()
 
 
 def write_kv_triton(k, v, k_cache, v_cache, slot_mapping):
@@ -316,20 +311,14 @@ def write_kv_triton(k, v, k_cache, v_cache, slot_mapping):
                                PAGE=k_cache.shape[1], num_warps=4)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def decode_splits(num_seqs: int, num_kv_heads: int, device) -> int:
     """Splits of the context per (sequence, KV head): enough programs for ~2 per SM, a power of two
-    up to 64 (measured on an H200: batch 64 runs best unsplit, batch 1 at 16..64 splits). The split
+    up to 64 (large batches run best unsplit, batch 1 at 16..64 splits). The split
     length is decided in the kernel from each sequence's own context length, so the host needs no
     context lengths (no sync)."""
     if device.type != "cuda":
         return 4   # the interpreter: exercise the split-and-merge path
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    want = -(-2 * _sm_count(index) // max(num_seqs * num_kv_heads, 1))
+    want = -(-2 * sm_count(device) // max(num_seqs * num_kv_heads, 1))
     return min(64, 1 << (want.bit_length() - 1))
 
 
@@ -395,19 +384,19 @@ def prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables, 
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping):
-    if triton_available(k):
+    if triton_runs(k):
         return write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
     return write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
-    if triton_available(q):
+    if triton_runs(q):
         return decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
     return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
 def prefill_attention(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale):
-    if triton_available(q):
+    if triton_runs(q):
         return prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables,
                                         k_cache, v_cache, scale)
     return prefill_attention_ref(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale)

@@ -11,7 +11,6 @@ of the activation is ever written.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -21,32 +20,9 @@ try:
 except ImportError:  # no Triton: the references run
     triton = None
 
+from engine.kernels.platform import interpreting, jit, triton_runs
+
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-
-
-_fused_kernels = True
-
-
-def set_fused_kernels(enabled: bool | None) -> None:
-    """EngineConfig.fused_kernels for the norm, SwiGLU and RoPE kernels: False sends those calls to
-    the PyTorch references; True or None (the default) uses the kernels where they run. Attention
-    is not switched: its reference loops over sequences in Python and is no baseline to time."""
-    global _fused_kernels
-    _fused_kernels = enabled is not False
-
-
-def triton_available(t: torch.Tensor) -> bool:
-    """Whether Triton kernels can serve tensor `t`: on CUDA, or anywhere under the interpreter."""
-    return triton is not None and (t.is_cuda or interpreted())
-
-
-def triton_enabled(t: torch.Tensor) -> bool:
-    """Whether the fused elementwise kernels serve `t`: available and not switched off."""
-    return _fused_kernels and triton_available(t)
-
-
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
 
 
 def quantize_fp8_rows_ref(y):
@@ -77,11 +53,7 @@ def l2_norm_ref(x, eps=1e-12):
     return (xf * torch.rsqrt(torch.clamp(xf.pow(2).sum(-1, keepdim=True), min=eps * eps))).to(x.dtype)
 
 
-def interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@_jit
+@jit
 def quantize_e4m3(y, scale, ROUND_IN_FP32: tl.constexpr):
     """fp32 y / scale as float8_e4m3fn codes, rounded to nearest even and saturated at +-448.
     The GPU's conversion (cvt.rn.satfinite) rounds that way itself; Triton's interpreter truncates
@@ -98,9 +70,8 @@ def quantize_e4m3(y, scale, ROUND_IN_FP32: tl.constexpr):
 
 def row_launch_config(n_cols: int):
     """(BLOCK, num_warps) for kernels that hold one whole row in registers: 16-byte accesses, 8..16
-    elements per thread. Measured on an H200 at 8192 rows: add+RMSNorm over 4096 columns reaches
-    90% of the copy bandwidth with 8 or 16 warps (82% with 32); SwiGLU->FP8 over 14336 (block
-    16384) 89% with 32 warps, 84% with 16."""
+    elements per thread; the warp counts are bench_fused.py's best at 8192 rows (wide rows want
+    more warps: 16384-element SwiGLU->FP8 rows run best with 32)."""
     block = triton.next_power_of_2(n_cols)
     if block > 65536:
         raise ValueError(f"rows of {n_cols} elements are longer than the one-row kernels hold (65536)")
@@ -108,7 +79,7 @@ def row_launch_config(n_cols: int):
     return block, num_warps
 
 
-@_jit
+@jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr,
                      n_cols, x_stride, res_stride, eps,
                      HAS_RESIDUAL: tl.constexpr, QUANT_FP8: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
@@ -135,7 +106,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr,
         tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=in_row)
 
 
-@_jit
+@jit
 def _l2_norm_kernel(x_ptr, out_ptr, n_cols, x_stride, eps_sq, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -170,7 +141,7 @@ def rms_norm_triton(x, weight, eps, residual=None, quant=None):
     if m > 0:
         _rms_norm_kernel[(m,)](x2, r2, weight, out, res_out, scale, n, x2.stride(0), r2.stride(0), eps,
                                HAS_RESIDUAL=residual is not None, QUANT_FP8=quant == "fp8",
-                               ROUND_IN_FP32=interpreted(), BLOCK=block, num_warps=num_warps)
+                               ROUND_IN_FP32=interpreting(), BLOCK=block, num_warps=num_warps)
     lead = x.shape[:-1]
     normed = (out.view(*lead, n), scale.view(lead)) if quant == "fp8" else out.view(*lead, n)
     return normed if residual is None else (normed, res_out.view(*lead, n))
@@ -187,15 +158,16 @@ def l2_norm_triton(x, eps=1e-12):
     return out.view(x.shape)
 
 
-def rms_norm(x, weight, eps, residual=None, quant=None):
-    """RMSNorm(x [+ residual]) * weight; contract of `rms_norm_ref`."""
-    if triton_enabled(x):
+def rms_norm(x, weight, eps, residual=None, quant=None, fused=True):
+    """RMSNorm(x [+ residual]) * weight; contract of `rms_norm_ref`. fused=False: the reference
+    (the engine's fused-kernels switch)."""
+    if fused and triton_runs(x):
         return rms_norm_triton(x, weight, eps, residual, quant)
     return rms_norm_ref(x, weight, eps, residual, quant)
 
 
-def l2_norm(x, eps=1e-12):
+def l2_norm(x, eps=1e-12, fused=True):
     """x / max(||x||_2, eps) along the last dim."""
-    if triton_enabled(x):
+    if fused and triton_runs(x):
         return l2_norm_triton(x, eps)
     return l2_norm_ref(x, eps)

@@ -13,17 +13,13 @@ import math
 import torch
 
 from engine.kernels.attention import check_cache, write_kv
-from engine.kernels.norms import triton_enabled
+from engine.kernels.platform import jit, triton_runs
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # no Triton: the reference runs
     triton = None
-
-
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
@@ -60,7 +56,7 @@ def apply_rope_ref(q, k, positions, inv_freq):
     return rot(q), rot(k)
 
 
-@_jit
+@jit
 def _rope_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                  q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
                  c_stride_block, c_stride_row, c_stride_head, n_q_heads, n_k_heads, n_heads, half,
@@ -109,8 +105,8 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, k_cache_ptr, v_cach
 
 
 # Heads per program at decode sizes (up to DECODE_TOKENS tokens): spread over several SMs, a token's
-# rotation is no longer one CTA's serial work. H200, Llama-3.1-8B (32 + 8 heads of 128): 1.31 us a
-# call at 1 token and 1.52 at 16 with 4 heads per program, against 2.81 / 2.93 with all 40 in one.
+# rotation is no longer one CTA's serial work (about twice as fast as all heads in one program at
+# Llama-3.1-8B's 32 + 8 heads).
 DECODE_HEADS = 4
 DECODE_TOKENS = 64
 
@@ -147,11 +143,12 @@ def apply_rope_triton(q, k, positions, inv_freq, kv_write=None):
     return q, k
 
 
-def apply_rope(q, k, positions, inv_freq, kv_write=None):
+def apply_rope(q, k, positions, inv_freq, kv_write=None, fused=True):
     """Rotated (q, k); with kv_write = (v, k_cache, v_cache, slot_mapping) the rotated k and v are
     also stored in the paged cache (one kernel for both where the fused kernels run). The Triton
-    path rotates in place, the reference returns new tensors: use the returned pair."""
-    if triton_enabled(q):
+    path rotates in place, the reference returns new tensors: use the returned pair. fused=False:
+    the reference (the engine's fused-kernels switch)."""
+    if fused and triton_runs(q):
         return apply_rope_triton(q, k, positions, inv_freq, kv_write)
     q, k = apply_rope_ref(q, k, positions, inv_freq)
     if kv_write is not None:

@@ -1,202 +1,32 @@
-"""Triton kernels for 2:4-sparse linears: decode GEMMs that stream the compressed weight, and a
-one-pass per-token FP8 quantizer for the activations of the sparse-tensor-core prefill path.
+"""The 2:4-sparse GEMM as a Triton kernel that streams the compressed weight (any CUDA GPU, the
+interpreter too; bf16 or e4m3 values).
 
-Compressed format (see sparse24.py): for W [N, K], `values` [N, K/2] holds the two kept entries of
-each group of 4 along K, in ascending position order; `meta` [N, K/8] uint8 holds one nibble per
-group (low nibble = even group), nibble = i0 | i1 << 2 with i0 < i1 the kept positions.
+Compressed format (engine/formats/sparse24.py): for W [N, K], `values` [N, K/2] holds the two kept
+entries of each group of 4 along K, in ascending position order; `meta` [N, K/8] uint8 holds one
+nibble per group (low nibble = even group), nibble = i0 | i1 << 2 with i0 < i1 the kept positions.
+The bytes streamed are the kept values plus 4 bits per group: 56% of dense bf16 (31% with e4m3).
 
-The weight bytes streamed from HBM are the kept values plus 4 bits per group: 56% of dense bf16
-(31% with e4m3 values). Four ways to multiply, all tuned against each other per shape:
-- `sparse24_mma_kernel` (M <= 32; the fastest measured at M = 1..16): the weight tile is the A
-  operand of the tensor cores with K reordered (in W and x alike) so that the four K columns a
-  thread holds per row in a k16 MMA step are exactly one 2:4 group, and a thread's groups of
-  consecutive steps are consecutive in memory. Per row and step a thread then reads one 32-bit
-  word (the two kept bf16 values) and one nibble, and builds its two bf16x2 A registers with two
-  `prmt` whose selectors are computed from the nibble: ~14 instructions per group in SASS, no
-  shuffles, no selects per element. Loads are 16-byte cp.async into a 3-4 stage pipeline; K is
-  split across programs when N leaves SMs idle, reduced in the same launch. On an H200 it
-  streams 2.7-3.0 TB/s of compressed weight at the Llama-3.1-8B FFN shapes, M = 1 and 16.
-- `sparse24_fma_kernel` (M <= 4): no tensor cores. Each kept value picks its activation with two
-  selects (i0 in {0,1,2}, i1 in {1,2,3}) and does one FMA; partial sums stay per group in registers
-  and are reduced once at the end. No shared memory, so many programs per SM keep loads in flight.
-- `sparse24_wtile_kernel`: rebuilds the dense [BN, BK] weight tile in registers (tl.join of the four
-  per-position operands) and runs y^T = W_tile @ x^T on the tensor cores, the tile as the A operand.
-- `sparse24_xsplit_kernel`: keeps the weight in four per-position [BN, BK/4] operands and
-  de-interleaves the activation tile instead: y = sum_j x_j @ d_j^T, four K/4-wide tl.dots.
+`mma_gemm(x, values, meta, scale, config, out)`: the weight tile is the A operand of the tensor
+cores with K reordered (in W and x alike) so that the four K columns a thread holds per row in a
+k16 MMA step are exactly one 2:4 group, and a thread's groups of consecutive steps are consecutive
+in memory. Per row and step a thread then reads one 32-bit word (the two kept bf16 values) and one
+nibble, and builds its two bf16x2 A registers with two `prmt` whose selectors are computed from the
+nibble: ~14 instructions per group in SASS, no shuffles, no selects per element. Loads are 16-byte
+cp.async into a 3-4 stage pipeline; K is split across programs when N leaves SMs idle, reduced in
+the same launch (engine/kernels/split_k.py). A config is (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
+num_warps, num_stages, CH, PTX_PACK); the candidates are listed with the format.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from engine.kernels.split_k import split_k_arrive, split_k_take
+import torch
+
+from engine.kernels.platform import interpreting
+from engine.kernels.split_k import split_k_arrive, split_k_buffers, split_k_take
 
 
-@triton.jit
-def _load_groups(v_ptr, meta_ptr, offs_n, mask_n, k0, K, stride_vn, stride_metan,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The compressed tile at columns [k0, k0 + BLOCK_K): kept values v0, v1 and positions i0, i1,
-    each [BLOCK_N, BLOCK_K / 4] (one entry per group)."""
-    GROUPS: tl.constexpr = BLOCK_K // 4
-    kv = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    v = tl.load(v_ptr + offs_n[:, None] * stride_vn + kv[None, :],
-                mask=mask_n[:, None] & (kv[None, :] < K // 2), other=0.0)
-    kb = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    mb = tl.load(meta_ptr + offs_n[:, None] * stride_metan + kb[None, :],
-                 mask=mask_n[:, None] & (kb[None, :] < K // 8), other=0)
-    # One nibble per group, even group in the low nibble: [BN, G/2] bytes -> [BN, G] nibbles.
-    nib = tl.reshape(tl.join(mb & 15, mb >> 4), (BLOCK_N, GROUPS))
-    v0, v1 = tl.split(tl.reshape(v, (BLOCK_N, GROUPS, 2)))
-    return v0, v1, nib & 3, nib >> 2
-
-
-@triton.jit
-def _per_position(v0, v1, i0, i1):
-    """d_j[n, g] = the weight at position j of group g (zero where not kept); i0 < i1."""
-    zero = tl.zeros_like(v0)
-    d0 = tl.where(i0 == 0, v0, zero)  # position 0 can only be the first kept one
-    d1 = tl.where(i0 == 1, v0, tl.where(i1 == 1, v1, zero))
-    d2 = tl.where(i0 == 2, v0, tl.where(i1 == 2, v1, zero))
-    d3 = tl.where(i1 == 3, v1, zero)  # position 3 can only be the second kept one
-    return d0, d1, d2, d3
-
-
-@triton.jit
-def _store(y_ptr, acc, offs_m, offs_n, mask_m, mask_n, scale_ptr, stride_ym,
-           HAS_SCALE: tl.constexpr, SPLIT_K: tl.constexpr):
-    """acc [BM, BN] (fp32) -> y, times the per-channel scale; split-K partials add atomically."""
-    if HAS_SCALE:
-        acc = acc * tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.atomic_add(y_ptrs, acc, mask=mask)
-
-
-@triton.jit(do_not_specialize=["M"])  # one binary for every M: decode batches vary per step
-def sparse24_fma_kernel(
-    x_ptr, v_ptr, meta_ptr, scale_ptr, y_ptr,
-    M, N, K,
-    stride_xm, stride_vn, stride_metan, stride_ym,
-    HAS_SCALE: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """y[M, N] = x @ W^T on the CUDA cores, for a handful of rows (BLOCK_M <= 4)."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    GROUPS: tl.constexpr = BLOCK_K // 4
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_g = tl.arange(0, GROUPS)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N, GROUPS), dtype=tl.float32)
-    for kt in range(pid_k, tl.cdiv(K, BLOCK_K), SPLIT_K):
-        k0 = kt * BLOCK_K
-        v0, v1, i0, i1 = _load_groups(v_ptr, meta_ptr, offs_n, mask_n, k0, K, stride_vn, stride_metan,
-                                      BLOCK_N, BLOCK_K)
-        g = k0 // 4 + offs_g
-        xp = x_ptr + offs_m[:, None] * stride_xm + 4 * g[None, :]
-        xmask = mask_m[:, None] & (g[None, :] < K // 4)
-        x0 = tl.load(xp, mask=xmask, other=0.0).to(tl.float32)[:, None, :]
-        x1 = tl.load(xp + 1, mask=xmask, other=0.0).to(tl.float32)[:, None, :]
-        x2 = tl.load(xp + 2, mask=xmask, other=0.0).to(tl.float32)[:, None, :]
-        x3 = tl.load(xp + 3, mask=xmask, other=0.0).to(tl.float32)[:, None, :]
-        i0 = i0[None, :, :]
-        i1 = i1[None, :, :]
-        xs0 = tl.where(i0 == 0, x0, tl.where(i0 == 1, x1, x2))  # i0 in {0, 1, 2}
-        xs1 = tl.where(i1 == 3, x3, tl.where(i1 == 2, x2, x1))  # i1 in {1, 2, 3}
-        acc += v0.to(tl.float32)[None, :, :] * xs0 + v1.to(tl.float32)[None, :, :] * xs1
-    _store(y_ptr, tl.sum(acc, axis=2), offs_m, offs_n, mask_m, mask_n, scale_ptr, stride_ym,
-           HAS_SCALE, SPLIT_K)
-
-
-@triton.jit(do_not_specialize=["M"])
-def sparse24_wtile_kernel(
-    x_ptr, v_ptr, meta_ptr, scale_ptr, y_ptr,
-    M, N, K,
-    stride_xm, stride_vn, stride_metan, stride_ym,
-    HAS_SCALE: tl.constexpr, SPLIT_K: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """y^T tile [BN, BM] = dense W tile [BN, BK] (rebuilt in registers) @ x^T tile [BK, BM]."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_x = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for kt in range(pid_k, tl.cdiv(K, BLOCK_K), SPLIT_K):
-        k0 = kt * BLOCK_K
-        kx = k0 + offs_x
-        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + kx[:, None],
-                     mask=mask_m[None, :] & (kx[:, None] < K), other=0.0)
-        v0, v1, i0, i1 = _load_groups(v_ptr, meta_ptr, offs_n, mask_n, k0, K, stride_vn, stride_metan,
-                                      BLOCK_N, BLOCK_K)
-        d0, d1, d2, d3 = _per_position(v0.to(xt.dtype), v1.to(xt.dtype), i0, i1)
-        # [BN, G, p, q] with position 2p + q, flattened: the dense tile in natural k order.
-        w = tl.reshape(tl.join(tl.join(d0, d2), tl.join(d1, d3)), (BLOCK_N, BLOCK_K))
-        if DOT_FP32:
-            w = w.to(tl.float32)
-            xt = xt.to(tl.float32)
-        acc = tl.dot(w, xt, acc)
-    _store(y_ptr, tl.trans(acc), offs_m, offs_n, mask_m, mask_n, scale_ptr, stride_ym, HAS_SCALE, SPLIT_K)
-
-
-@triton.jit(do_not_specialize=["M"])
-def sparse24_xsplit_kernel(
-    x_ptr, v_ptr, meta_ptr, scale_ptr, y_ptr,
-    M, N, K,
-    stride_xm, stride_vn, stride_metan, stride_ym,
-    HAS_SCALE: tl.constexpr, SPLIT_K: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """y = sum_j x_j @ d_j^T with x_j[m, g] = x[m, 4g + j]. DOT_FP32 widens the operands first: the
-    CPU interpreter (triton 3.9) multiplies bf16 dot operands wrongly; fp32 products of bf16 values
-    are exact, so the function is the same."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    GROUPS: tl.constexpr = BLOCK_K // 4
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_x = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kt in range(pid_k, tl.cdiv(K, BLOCK_K), SPLIT_K):
-        k0 = kt * BLOCK_K
-        kx = k0 + offs_x
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kx[None, :],
-                    mask=mask_m[:, None] & (kx[None, :] < K), other=0.0)
-        if DOT_FP32:
-            x = x.to(tl.float32)
-        v0, v1, i0, i1 = _load_groups(v_ptr, meta_ptr, offs_n, mask_n, k0, K, stride_vn, stride_metan,
-                                      BLOCK_N, BLOCK_K)
-        d0, d1, d2, d3 = _per_position(v0.to(x.dtype), v1.to(x.dtype), i0, i1)
-        # x[m, 4g + 2p + q] -> x_{2p+q}[m, g]
-        xa, xb = tl.split(tl.reshape(x, (BLOCK_M, GROUPS, 2, 2)))
-        x0, x2 = tl.split(xa)
-        x1, x3 = tl.split(xb)
-        acc = tl.dot(x0, tl.trans(d0), acc)
-        acc = tl.dot(x1, tl.trans(d1), acc)
-        acc = tl.dot(x2, tl.trans(d2), acc)
-        acc = tl.dot(x3, tl.trans(d3), acc)
-    _store(y_ptr, acc, offs_m, offs_n, mask_m, mask_n, scale_ptr, stride_ym, HAS_SCALE, SPLIT_K)
-
-
-# ----------------------------------------------------------------------------- word-per-thread MMA decode
-#
-# `sparse24_mma_kernel`: y^T [BN, BM] = W_tile [BN, BK] @ x^T, the weight tile as the MMA's A
-# operand. The A fragment of a k16 MMA step gives each thread, per row, the K columns
-# {2q, 2q+1, 2q+8, 2q+9} (q = lane % 4). K is reordered, the same way in W and x (the dot product
-# does not change), so that those four logical columns are one 2:4 group, and so that a thread's
 # groups of consecutive k16 steps are consecutive in memory: in a chunk of 16*CH physical K,
 # group CH*q + c (c < CH) is thread q's group of step c. Per row and step a thread then holds one
 # 32-bit word (the two kept bf16 values) and one nibble, loaded as CH-word vectors, and builds its
@@ -275,7 +105,7 @@ def sparse24_mma_kernel(
     group, int32 (two bf16) or int16 (two e4m3, FP8_VALUES). With SPLIT_K > 1 the programs of a
     tile add into acc_ptr (fp32, zero on entry) and the last one writes y and re-zeroes acc_ptr
     and its counter (engine/kernels/split_k.py). USE_PTX only where the decode's result has the
-    MMA's A-operand layout (checked on the compiled kernel, sparse24._mma_layout_ok); elsewhere
+    MMA's A-operand layout (checked on the compiled kernel, `_mma_layout_ok`); elsewhere
     the same function in Triton arithmetic."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -359,3 +189,48 @@ def sparse24_mma_kernel(
         if split_k_arrive(acc, acc_ptrs, mask, counter_ptr, SPLIT_K):
             total = split_k_take(acc_ptrs, mask, counter_ptr)
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def mma_gemm(x, values, meta, scale, config, out):
+    """out [M, N] = x [M, K] @ W^T (times scale [N] if given); values bf16 or e4m3 [N, K/2]."""
+    bm, bn, bk, split_k, warps, stages, ch, pack = config
+    m, k = x.shape
+    n = values.shape[0]
+    fp8 = values.element_size() == 1
+    words = values.view(torch.int16 if fp8 else torch.int32)
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split_k)
+    acc, count = split_k_buffers(x.device, m * n, grid[0] * grid[1]) if split_k > 1 else (out, out)
+    args = (x, words, meta, scale if scale is not None else words, out, acc, count, m, n, k,
+            x.stride(0), words.stride(0), meta.stride(0), out.stride(0))
+    const = dict(HAS_SCALE=scale is not None, FP8_VALUES=fp8, SPLIT_K=split_k, EVEN_K=k % bk == 0,
+                 INTERPRETER=interpreting(), PTX_PACK=pack, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, CH=ch,
+                 num_warps=warps, num_stages=stages)
+    use_ptx = not interpreting() and _mma_layout_ok(args, grid, const, out.dtype)
+    sparse24_mma_kernel[grid](*args, USE_PTX=use_ptx, **const)
+    return out
+
+
+# (config, K % BLOCK_K == 0, value dtype, scaled, out dtype) -> whether the compiled PTX decode
+# has the MMA's A-operand layout.
+_MMA_LAYOUT_OK: dict = {}
+
+
+def _mma_layout_ok(args, grid, const, out_dtype) -> bool:
+    """Whether Triton gave the PTX decode's result the MMA's A-operand layout (bf16 pairs, kWidth
+    2), the register order _decode_ptx is written for. Triton picks layouts itself; where it
+    decodes in another layout and converts afterwards, the PTX would pair the wrong elements, and
+    the arithmetic decode runs instead. Checked once per configuration on the compiled kernel."""
+    # Triton specializes integer arguments divisible by 16, which can change the layouts it picks.
+    key = (tuple(sorted(const.items())), out_dtype, tuple(a % 16 == 0 for a in args if isinstance(a, int)))
+    if key not in _MMA_LAYOUT_OK:
+        ok = False
+        try:
+            compiled = sparse24_mma_kernel.warmup(*args, grid=grid, USE_PTX=True, **const)
+            for line in compiled.asm["ttgir"].splitlines():
+                if "elementwise_inline_asm" in line and "prmt.b32" in line:
+                    result = line.rsplit("->", 1)[-1]
+                    ok = "dot_op<{opIdx = 0" in result and "kWidth = 2" in result
+        except Exception:  # a configuration the compiler rejects: the arithmetic path runs
+            ok = False
+        _MMA_LAYOUT_OK[key] = ok
+    return _MMA_LAYOUT_OK[key]

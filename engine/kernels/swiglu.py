@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.norms import (interpreted, quantize_e4m3, quantize_fp8_rows_ref, row_launch_config,
-                                  triton_enabled)
+from engine.kernels.norms import quantize_e4m3, quantize_fp8_rows_ref, row_launch_config
+from engine.kernels.platform import interpreting, jit, triton_runs
 
 try:
     import triton
@@ -20,17 +20,13 @@ except ImportError:  # no Triton: the reference runs
     triton = None
 
 
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
-
-
 def swiglu_ref(gate_up, quant=None):
     g, u = gate_up.chunk(2, dim=-1)
     h = F.silu(g.float()) * u.float()
     return quantize_fp8_rows_ref(h) if quant == "fp8" else h.to(gate_up.dtype)
 
 
-@_jit
+@jit
 def _swiglu_kernel(gate_up_ptr, out_ptr, n_ffn, in_stride, BLOCK: tl.constexpr):
     """One [BLOCK] slice of one row per program: a 2-D grid keeps every SM busy at any M."""
     row = tl.program_id(0).to(tl.int64)
@@ -42,7 +38,7 @@ def _swiglu_kernel(gate_up_ptr, out_ptr, n_ffn, in_stride, BLOCK: tl.constexpr):
     tl.store(out_ptr + row * n_ffn + cols, h.to(out_ptr.dtype.element_ty), mask=in_row)
 
 
-@_jit
+@jit
 def _swiglu_fp8_kernel(gate_up_ptr, out_ptr, scale_ptr, n_ffn, in_stride,
                        ROUND_IN_FP32: tl.constexpr, BLOCK: tl.constexpr):
     """One whole row per program: the per-row amax needs every product before the first store."""
@@ -58,7 +54,7 @@ def _swiglu_fp8_kernel(gate_up_ptr, out_ptr, scale_ptr, n_ffn, in_stride,
     tl.store(scale_ptr + row, scale)
 
 
-SLICE = 2048  # columns per program of the bf16 kernel (H200, 8192 rows: 1024..4096 all 96% of copy BW)
+SLICE = 2048  # columns per program of the bf16 kernel (1024..4096 all stream at copy bandwidth)
 
 
 def swiglu_triton(gate_up, quant=None):
@@ -80,7 +76,7 @@ def swiglu_triton(gate_up, quant=None):
         block, num_warps = row_launch_config(f)
         if m > 0:
             _swiglu_fp8_kernel[(m,)](x2, out, scale, f, x2.stride(0),
-                                     ROUND_IN_FP32=interpreted(), BLOCK=block, num_warps=num_warps)
+                                     ROUND_IN_FP32=interpreting(), BLOCK=block, num_warps=num_warps)
         return out.view(*lead, f), scale.view(lead)
     out = torch.empty((m, f), device=gate_up.device, dtype=gate_up.dtype)
     block = min(SLICE, triton.next_power_of_2(f))
@@ -89,8 +85,9 @@ def swiglu_triton(gate_up, quant=None):
     return out.view(*lead, f)
 
 
-def swiglu(gate_up, quant=None):
-    """silu(gate) * up in gate_up's dtype, or (float8_e4m3fn, per-row fp32 scale) with quant="fp8"."""
-    if triton_enabled(gate_up):
+def swiglu(gate_up, quant=None, fused=True):
+    """silu(gate) * up in gate_up's dtype, or (float8_e4m3fn, per-row fp32 scale) with quant="fp8".
+    fused=False: the reference (the engine's fused-kernels switch)."""
+    if fused and triton_runs(gate_up):
         return swiglu_triton(gate_up, quant)
     return swiglu_ref(gate_up, quant)

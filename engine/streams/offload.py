@@ -10,18 +10,15 @@ device buffers while the layer before it computes, so the copy engine and the SM
 Events order it: compute waits for a buffer's `ready` event before the layer that uses it, and the
 next copy into that buffer waits for the `done` event recorded after that layer's compute.
 
-Any weight format works: the streamer does not know the formats. It walks each layer's object graph
-(modules, their parameters and buffers, `Linear.backend` objects and whatever tensors they hold, in
-attributes, dataclasses, lists, tuples or dicts), packs every tensor's bytes into one blob per layer
-and repoints each tensor object in place (`Tensor.set_`) at the device buffer that holds the
-layer's blob while it runs; the blob's home is a pinned host allocation of its own. Tensors that share storage (a view of a packed buffer,
+Any weight format works: the streamer does not know the formats. It takes each layer's parameters
+and buffers (every format's backend holds its tensors as buffers), packs their bytes into one blob
+per layer and repoints each tensor object in place (`Tensor.set_`) at the device buffer that holds
+the layer's blob while it runs; the blob's home is a pinned host allocation of its own. Tensors that share storage (a view of a packed buffer,
 a Parameter and its `.data`) keep sharing it. It hooks the layers (forward pre/post hooks), so the
 model's layer loop is unchanged.
 """
 from __future__ import annotations
 
-import dataclasses
-import types
 from dataclasses import dataclass
 
 import torch
@@ -75,43 +72,15 @@ def plan_offload(layer_bytes: list[int], resident_bytes: int, gpu_memory_limit: 
 
 # ----------------------------------------------------------------------------- finding tensors
 
-_OPAQUE = (type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType,
-           torch.dtype, torch.device, str, bytes, int, float, bool, type(None))
-
-
-def find_tensors(root) -> list[torch.Tensor]:
-    """Every distinct tensor object reachable from `root` (a module or any object), in a fixed order."""
+def find_tensors(layer: nn.Module) -> list[torch.Tensor]:
+    """Every distinct parameter and buffer tensor of `layer` (weight-format backends hold theirs as
+    buffers), in a fixed order."""
     found: dict[int, torch.Tensor] = {}
-    seen: set[int] = set()
-
-    def visit(obj, path):
-        if isinstance(obj, torch.Tensor):
-            if type(obj) not in (torch.Tensor, nn.Parameter):
-                raise TypeError(f"weight streaming cannot move the tensor subclass "
-                                f"{type(obj).__name__} at {path}: hold plain tensors in the backend")
-            found.setdefault(id(obj), obj)
-            return
-        if isinstance(obj, _OPAQUE) or id(obj) in seen:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, nn.Module):
-            # Parameters, buffers, children and plain attributes; not hooks or other internals.
-            items = [*obj._parameters.items(), *obj._buffers.items(), *obj._modules.items(),
-                     *((k, v) for k, v in vars(obj).items() if not k.startswith("_"))]
-        elif isinstance(obj, dict):
-            items = list(obj.items())
-        elif isinstance(obj, (list, tuple)):
-            items = list(enumerate(obj))
-        elif dataclasses.is_dataclass(obj):
-            items = [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
-        elif hasattr(obj, "__dict__"):
-            items = list(vars(obj).items())
-        else:
-            return
-        for key, value in items:
-            visit(value, f"{path}.{key}")
-
-    visit(root, type(root).__name__)
+    for name, t in [*layer.named_parameters(), *layer.named_buffers()]:
+        if type(t) not in (torch.Tensor, nn.Parameter):
+            raise TypeError(f"weight streaming cannot move the tensor subclass {type(t).__name__} "
+                            f"at {name}: hold plain tensors in the backend")
+        found.setdefault(id(t), t)
     return list(found.values())
 
 

@@ -14,14 +14,12 @@ Structure (persistent, warp-specialised):
 The producer runs ahead into the next tile while the consumers are in the epilogue.
 
 Accumulation precision: Hopper's FP8 WGMMA adds its products into the fp32 accumulator with a
-reduced-precision internal sum (measured on an H200: 2.1e-3 relative error at K=4096 and 3.3e-3 at
-K=14336, against 1.7e-3 from the bf16 output rounding alone; cuBLAS with use_fast_accum=True gives
-the same numbers). The default ("precise") mode therefore runs each 256-deep slice of K (two 128-deep
-k-tiles, `promote_every`) into a fresh WGMMA accumulator and adds it into the true fp32 accumulator
-with ordinary FADDs (the promotion that cuBLAS does unless use_fast_accum=True). Each promotion
-waits for its WGMMAs to drain; promoting every second k-tile halves those stalls at no measurable
-cost in accuracy (relative error 1.67e-3 against 1.66e-3 at every k-tile) and ran 3-12% faster on
-an H200; every fourth held 4 of the 6 stages while draining and ran slower (BENCHMARKS.md). Two
+reduced-precision internal sum (about 1.3-2x the error of the bf16 output rounding at Llama K, as
+cuBLAS with use_fast_accum=True). The default ("precise") mode therefore runs each 256-deep slice of
+K (two 128-deep k-tiles, `promote_every`) into a fresh WGMMA accumulator and adds it into the true
+fp32 accumulator with ordinary FADDs (the promotion that cuBLAS does unless use_fast_accum=True).
+Each promotion waits for its WGMMAs to drain; every second k-tile halves those stalls at no
+measurable cost in accuracy, every fourth holds too many stages while draining (BENCHMARKS.md). Two
 accumulators in registers cap the tile at 128 x 128; fast_accum=True keeps one and allows 128 x 256.
 
 Tile order (L2 reuse): the persistent CTAs walk the output tiles in column groups of `swizzle` N

@@ -1,8 +1,9 @@
 """NVFP4 x NVFP4 GEMM for Blackwell (sm_100a) in CuTe DSL: tcgen05 block-scaled MMA.
 
 out[M, N] (bf16) = (A @ B^T) * alpha, A = activations [M, K] and B = weights [N, K], both e2m1
-with one e4m3 scale per 16 elements along K (engine/kernels/nvfp4.py), alpha = the product of the
-two fp32 tensor scales, read from device memory so a graph replay can change it.
+(packed two per byte, low nibble = even K) with one e4m3 scale per 16 elements along K in the
+128x4 blocked order (engine/formats/nvfp4.py `to_blocked`), alpha = the product of the two fp32
+tensor scales, read from device memory so a graph replay can change it. N % 128 == 0, K % 256 == 0.
 
 `tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale.block16`: the MMA multiplies e2m1
 operands from shared memory and applies the e4m3 block scales itself, which it reads from tensor
@@ -15,7 +16,8 @@ Warp roles (192 threads): warps 0-3 epilogue (warp w owns TMEM lanes = output ro
 warp 4 TMA producer, warp 5 MMA issuer; one 128 x tile_n output tile per CTA, a 256-deep k-tile
 (4 MMAs of k64) per pipeline stage.
 
-No Blackwell GPU here: compiled for sm_100a and its PTX inspected by tests/test_nvfp4.py, not run.
+`nvfp4_gemm_sm100(...)` is the call the NVFP4 format selects on capability 10.x. Compiled for
+sm_100a and its PTX inspected in CI (tests/test_nvfp4.py).
 """
 from __future__ import annotations
 
@@ -26,10 +28,11 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100
 import cutlass.utils.blockscaled_layout as blockscaled
+import torch
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.memory import SmemAllocator
 
-from engine.kernels.cute.common import CompileCache, gmem_ptr, placeholder_stream
+from engine.kernels.cute.common import CompileCache, current_stream, gmem_ptr, placeholder_stream
 
 SF_VEC = 16          # elements per block scale
 MMA_K = 64           # K of one tcgen05 mxf4nvf4 MMA
@@ -297,3 +300,18 @@ class Nvfp4GemmSm100:
 def compiled_gemm(n: int, k: int, tile_n: int = 128):
     """The compiled kernel for one weight shape (cached; M is a run-time argument)."""
     return _compiled.get((n, k, tile_n), lambda: Nvfp4GemmSm100(n, k, tile_n).compile())
+
+
+def nvfp4_gemm_sm100(a_packed: torch.Tensor, a_blocked_scale: torch.Tensor, b_packed: torch.Tensor,
+                     b_blocked_scale: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """bf16 [M, N] = (A @ B^T) * alpha; a_packed [M, K/2], b_packed [N, K/2] uint8 row-major, the
+    scales in to_blocked's order, alpha fp32 [1]; CUDA tensors, sm_100."""
+    m, n, k = a_packed.shape[0], b_packed.shape[0], b_packed.shape[1] * 2
+    fn = compiled_gemm(n, k)
+    out = torch.empty(m, n, device=a_packed.device, dtype=torch.bfloat16)
+    fp4, e4m3 = cutlass.Float4E2M1FN, cutlass.Float8E4M3FN
+    fn(gmem_ptr(fp4, a_packed.data_ptr(), 32), gmem_ptr(fp4, b_packed.data_ptr(), 32),
+       gmem_ptr(e4m3, a_blocked_scale.data_ptr()), gmem_ptr(e4m3, b_blocked_scale.data_ptr()),
+       gmem_ptr(cutlass.Float32, alpha.data_ptr(), 4), gmem_ptr(cutlass.BFloat16, out.data_ptr()), m,
+       current_stream())
+    return out

@@ -13,16 +13,21 @@ Storage order: row-major (packed [N, K/2], block_scale [N, K/16]), or, for the H
 tiles of 16 rows x 128 K (`to_tiles`: packed [N/16, K/128, 16, 64], block_scale
 [N/16, K/128, 16, 8], each tile contiguous, tiles ordered row block then K), the same bytes
 reordered so that a warp's K step of 16 rows is one contiguous 1 KB read, and the K steps of a
-row block follow each other (the Gluon decode kernel ran 2-14% faster on it in two sessions'
-runs: BENCHMARKS.md). The shape of `packed` says which; every kernel of
-engine/kernels/nvfp4_decode*.py reads both, the references and the CuTe DSL kernels read
-row-major (`to_rows`).
+row block follow each other. The shape of `packed` says which; the Triton and Gluon kernels read
+both, the references and the CuTe DSL kernel read row-major (`to_rows`).
 
 `to_blocked` gives the block-scale arrangement tcgen05 block-scaled MMA reads from memory (the
-"128x4" layout; engine/kernels/cute/nvfp4_gemm_sm100.py). `nvfp4_linear` dispatches: on CUDA the
-kernels of engine/kernels/nvfp4_decode.py (weights decoded in registers, fed to the tensor cores:
-the Gluon decode kernel for M <= 4 on sm_90, Triton kernels otherwise) or, for large M,
-dequantise + cuBLAS; the reference elsewhere.
+"128x4" layout; engine/kernels/cute/nvfp4_gemm_sm100.py).
+
+The NVFP4 GEMM, per architecture (engine/kernels/select.py):
+- sm_90 (no FP4 tensor cores: W4A16, weights decoded in registers to bf16): M <= 4 the Gluon decode
+  kernel (engine/kernels/nvfp4_gluon.py, every operand in registers), M <= 128 the Triton decode
+  kernel (engine/kernels/nvfp4_triton.py, WGMMA with x from shared memory), larger M the weight
+  decoded once into a reused buffer and cuBLAS's bf16 GEMM (compute-bound there).
+- sm_100: the CuTe DSL tcgen05 block-scaled kernel (W4A4: activations quantised to NVFP4 per call;
+  N % 128 == 0, K % 256 == 0), else as on sm_90 without the Gluon kernel.
+- anything else: the Triton decode kernel, decode + cuBLAS, or the reference.
+The fused gate/up projection's SwiGLU runs in the Gluon kernel's epilogue where it is selected.
 """
 from __future__ import annotations
 
@@ -31,7 +36,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.linear import LinearBackend
+from engine.formats.base import WeightFormat
+from engine.kernels.platform import capability, cute_available
+from engine.kernels.select import Kernel, Problem, select
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -41,29 +48,6 @@ TILE_ROWS, TILE_K = 16, 128  # the tiled storage order (module docstring)
 # The 8 magnitudes of e2m1, indexed by the low 3 bits of a code (bit 3 is the sign).
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
-# The start of both Hopper decoders' inline PTX (engine/kernels/nvfp4_decode.py and
-# engine/kernels/cute/nvfp4_sm90.py): $4 holds 4 packed bytes = 8 codes. `prmt` looks 4 bytes up in
-# an 8-byte table indexed by 3-bit codes (the sign masked off): hi_a:hi_b hold the high bytes of the
-# bf16 encodings of the 8 magnitudes above (0x0000 3F00 3F80 3FC0 4000 4040 4080 40C0), lo_a:lo_b
-# the low bytes; h0/l0 serve codes 0..3 of the word, h1/l1 codes 4..7. `shifted` (the word shifted
-# left by 4) puts the even-K codes' sign bits at the top of a byte for the sign step that follows.
-# The caller declares the registers (.b32 hi_a, hi_b, lo_a, lo_b, sel0, sel1, h0, l0, h1, l1,
-# shifted) and pairs the bytes into bf16x2 words in its own order.
-E2M1_BF16_LUT_PTX = """mov.b32 hi_a, 0x3F3F3F00;
-mov.b32 hi_b, 0x40404040;
-mov.b32 lo_a, 0xC0800000;
-mov.b32 lo_b, 0xC0804000;
-and.b32 sel0, $4, 0x7777;
-shr.b32 sel1, $4, 16;
-and.b32 sel1, sel1, 0x7777;
-prmt.b32 h0, hi_a, hi_b, sel0;
-prmt.b32 l0, lo_a, lo_b, sel0;
-prmt.b32 h1, hi_a, hi_b, sel1;
-prmt.b32 l1, lo_a, lo_b, sel1;
-shl.b32 shifted, $4, 4;
-"""
-
-
 @dataclass
 class Nvfp4Tensor:
     """A [N, K] matrix in NVFP4: packed e2m1 [N, K/2] uint8, e4m3 scales [N, K/16], fp32 scalar;
@@ -72,6 +56,7 @@ class Nvfp4Tensor:
     block_scale: torch.Tensor
     tensor_scale: torch.Tensor
     shape: tuple[int, int]
+    blocked_scale: torch.Tensor | None = None  # block_scale in to_blocked's order (sm_100 only)
 
     @property
     def nbytes(self) -> int:
@@ -195,32 +180,98 @@ def nvfp4_linear_reference(x: torch.Tensor, w: Nvfp4Tensor,
     return (x.float() @ dequantize(w).t()).to(out_dtype)
 
 
-# Up to this many rows the fused Triton kernel beats dequantise + cuBLAS on an H200 (M = 128:
-# 33/121/63 us vs 38/160/86 us at the three Llama-3.1-8B shapes); at M = 1024 it is ~2x slower
-# (183/777/398 vs 85/390/188 us: cuBLAS's bf16 GEMM outruns it by more than the dequantisation
-# costs). Between 128 and 1024 the crossover was not measured.
-FUSED_MAX_M = 128
+# ------------------------------------------------------------------------------------ kernels
+def _decodable(p: Problem) -> str | None:
+    """What the Triton and Gluon kernels read: K % 64 == 0, bf16 / fp16 activations."""
+    dtype, tiled = p.detail
+    if p.k % 64:
+        return "needs K % 64 == 0"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"takes bf16 / fp16 activations, not {dtype}"
+    return None
 
 
-def nvfp4_linear(x: torch.Tensor, w: Nvfp4Tensor,
-                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """y[M, N] = x[M, K] @ W^T for an NVFP4 W. On CUDA, M <= FUSED_MAX_M: the Triton kernel
-    (weights decoded in registers to bf16, tensor-core dot, tensor scale in the epilogue); larger
-    M: the weight decoded to bf16 on the device, then cuBLAS; elsewhere: the reference."""
-    if x.is_cuda:
-        from engine.kernels import nvfp4_decode
-        x = x.contiguous()
-        if x.shape[0] <= FUSED_MAX_M:
-            return nvfp4_decode.nvfp4_matmul(x, w, out_dtype)
-        return F.linear(x.to(torch.bfloat16), nvfp4_decode.dequantize_scratch(w)).to(out_dtype)
-    return nvfp4_linear_reference(x, w, out_dtype)
+def _gluon_decodable(p: Problem) -> str | None:
+    return _decodable(p) or ("a tiled weight needs K % 128 == 0" if p.detail[1] and p.k % 128 else None)
+
+
+def _gluon_decode(x, w, config=None):
+    from engine.kernels.nvfp4_gluon import decode_matmul
+    out = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
+    return decode_matmul(x.to(torch.bfloat16), w, out, config).to(x.dtype)
+
+
+def _triton_decode(x, w, config=None):
+    from engine.kernels.nvfp4_triton import decode_gemm
+    out = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
+    return decode_gemm(x.to(torch.bfloat16), w, out, config)
+
+
+def _dequant_cublas(x, w, config=None):
+    from engine.kernels.nvfp4_triton import dequantize_scratch
+    return F.linear(x.to(torch.bfloat16), dequantize_scratch(w)).to(x.dtype)
+
+
+def _tcgen05(x, w, config=None):
+    from engine.kernels.cute.nvfp4_gemm_sm100 import nvfp4_gemm_sm100
+    a = quantize(x)
+    alpha = (a.tensor_scale * w.tensor_scale).reshape(1)
+    out = nvfp4_gemm_sm100(a.packed, to_blocked(a.block_scale), w.packed, w.blocked_scale, alpha)
+    return out.to(x.dtype)
+
+
+def _tcgen05_fits(p: Problem) -> str | None:
+    if not cute_available():
+        return "nvidia-cutlass-dsl is not installed"
+    if p.detail[1]:
+        return "reads row-major storage, the weight is tiled"
+    return "needs N % 128 == 0 and K % 256 == 0" if p.n % 128 or p.k % 256 else None
+
+
+def _reference(x, w, config=None):
+    return nvfp4_linear_reference(x, w, x.dtype)
+
+
+TRITON_DECODE = Kernel("triton_decode", _triton_decode, max_m=128, check=_decodable)
+DEQUANT_CUBLAS = Kernel("dequantize_cublas", _dequant_cublas, check=_decodable)
+REFERENCE = Kernel("reference", _reference, reference=True)
+NVFP4_GEMM = {
+    9: [Kernel("gluon_decode", _gluon_decode, max_m=4, check=_gluon_decodable), TRITON_DECODE,
+        DEQUANT_CUBLAS, REFERENCE],
+    10: [Kernel("cute_tcgen05_sm100", _tcgen05, check=_tcgen05_fits), TRITON_DECODE, DEQUANT_CUBLAS, REFERENCE],
+    "other": [TRITON_DECODE, DEQUANT_CUBLAS, REFERENCE],
+}
+
+
+def _gluon_swiglu(x, w, config=None):
+    from engine.kernels.nvfp4_gluon import decode_matmul
+    out = torch.empty(x.shape[0], w.shape[0] // 2, device=x.device, dtype=x.dtype)
+    return decode_matmul(x.to(torch.bfloat16), w, out, swiglu=True).to(x.dtype)
+
+
+def _swiglu_fits(p: Problem) -> str | None:
+    return _gluon_decodable(p) or ("needs N % 32 == 0" if p.n % 32 else None)
+
+
+# silu(gate) * up of a fused gate/up weight in the GEMM's epilogue; "separate": the GEMM, then the
+# SwiGLU kernel (Linear.swiglu).
+SEPARATE = Kernel("separate", None, needs_cuda=False)
+NVFP4_SWIGLU = {9: [Kernel("gluon_decode_swiglu", _gluon_swiglu, max_m=4, check=_swiglu_fits), SEPARATE],
+                "other": [SEPARATE]}
+
+
+def nvfp4_linear(x: torch.Tensor, w: Nvfp4Tensor) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W^T for an NVFP4 W, fp32 accumulation, in x's dtype."""
+    problem = Problem("nvfp4_gemm", x.shape[0], w.shape[0], w.shape[1], x.device, (x.dtype, w.tiled))
+    choice = select(NVFP4_GEMM, problem)
+    return choice.kernel.run(x.contiguous(), w, config=choice.config)
 
 
 @torch.library.custom_op("microengine::nvfp4_linear", mutates_args=())
 def nvfp4_linear_op(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor,
-                    tensor_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+                    tensor_scale: torch.Tensor) -> torch.Tensor:
     """nvfp4_linear as an opaque op, so torch.compile and graph tracing treat it as one node."""
-    return nvfp4_linear(x, Nvfp4Tensor(packed, block_scale, tensor_scale, _shape_of(packed)), out_dtype)
+    return nvfp4_linear(x, Nvfp4Tensor(packed, block_scale, tensor_scale, _shape_of(packed)))
 
 
 def _shape_of(packed: torch.Tensor) -> tuple[int, int]:
@@ -231,46 +282,58 @@ def _shape_of(packed: torch.Tensor) -> tuple[int, int]:
 
 
 @nvfp4_linear_op.register_fake
-def _(x, packed, block_scale, tensor_scale, out_dtype):
-    return x.new_empty(x.shape[0], _shape_of(packed)[0], dtype=out_dtype)
+def _(x, packed, block_scale, tensor_scale):
+    return x.new_empty(x.shape[0], _shape_of(packed)[0])
 
 
-class Nvfp4Weight(LinearBackend):
-    """`--weights nvfp4`: the weight stored as NVFP4 (4.5 bits per element), activations bf16."""
+# ------------------------------------------------------------------------------------ backend
+class Nvfp4Weight(WeightFormat):
+    """`--weights nvfp4`: the weight in NVFP4 (4.5 bits per element); on CUDA stored in tiles where
+    the shape allows (what the Hopper kernels read fastest), row-major with blocked scales on sm_100."""
     name = "nvfp4"
 
     def __init__(self, weight: Nvfp4Tensor, dtype: torch.dtype = torch.bfloat16):
-        self.weight = weight
+        super().__init__(*weight.shape)
+        self.register_buffer("packed", weight.packed)
+        self.register_buffer("block_scale", weight.block_scale)
+        self.register_buffer("tensor_scale", weight.tensor_scale.float().reshape(()))
+        self.register_buffer("blocked_scale", weight.blocked_scale)  # None but on sm_100
         self.dtype = dtype
-        self.out_features, self.in_features = weight.shape
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor) -> "Nvfp4Weight":
-        """Quantised; on CUDA stored in tiles where the shape allows (what the kernels read fastest)."""
-        w = quantize(weight)
-        if weight.is_cuda and tileable(*w.shape):
-            w = to_tiles(w)
-        return cls(w, weight.dtype)
+        return cls(for_device(quantize(weight), weight.device), weight.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        return nvfp4_linear_op(x, w.packed, w.block_scale, w.tensor_scale, x.dtype)
+    @property
+    def tensor(self) -> Nvfp4Tensor:
+        return Nvfp4Tensor(self.packed, self.block_scale, self.tensor_scale,
+                           (self.out_features, self.in_features), self.blocked_scale)
+
+    def forward(self, x: torch.Tensor, x_scale=None) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return nvfp4_linear_op(x, self.packed, self.block_scale, self.tensor_scale)
+        return nvfp4_linear(x, self.tensor)
 
     def swiglu_forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        """silu(gate) * up in the Gluon decode kernel's epilogue (M <= 4 on sm_90), else None."""
-        from engine.kernels import nvfp4_decode
-        w = self.weight
-        m, n = x.shape[0], w.shape[0]
-        if not (x.is_cuda and m <= nvfp4_decode.GLUON_MAX_M and nvfp4_decode._gluon_device(x.device)
-                and n % 32 == 0 and nvfp4_decode.supported(x, w)):
-            return None
-        out = torch.empty(m, n // 2, device=x.device, dtype=x.dtype)
-        return nvfp4_decode.decode_matmul(x.to(torch.bfloat16), w, out, swiglu=True)
+        problem = Problem("nvfp4_swiglu", x.shape[0], self.out_features, self.in_features, x.device,
+                          (x.dtype, self.packed.dim() == 4))
+        kernel = select(NVFP4_SWIGLU, problem).kernel
+        return None if kernel.run is None else kernel.run(x.contiguous(), self.tensor)
 
     def dequantize(self) -> torch.Tensor:
-        return dequantize(self.weight, self.dtype)
+        return dequantize(self.tensor, self.dtype)
 
     def weight_bytes(self) -> int:
-        return self.weight.nbytes
+        return self.tensor.nbytes
 
 
+def for_device(t: Nvfp4Tensor, device: torch.device) -> Nvfp4Tensor:
+    """The storage the kernels of `device` read: blocked scales on sm_100, tiles on other GPUs where
+    the shape allows, row-major on the CPU."""
+    cap = capability(device)
+    if cap is not None and cap[0] == 10:
+        t = to_rows(t)
+        return Nvfp4Tensor(t.packed, t.block_scale, t.tensor_scale, t.shape, to_blocked(t.block_scale))
+    if cap is not None and tileable(*t.shape):
+        return to_tiles(t)
+    return t

@@ -1,24 +1,17 @@
-"""NVFP4 weights on Hopper (no FP4 tensor cores): Triton kernels that decode e2m1 in registers.
+"""NVFP4 weights on GPUs without FP4 tensor cores: Triton kernels that decode e2m1 in registers.
 
-`nvfp4_matmul(x, w)`: y = x @ W^T for bf16 activations and an NVFP4 weight. Dispatch on sm_90:
-M <= GLUON_MAX_M (4) the Gluon decode kernel (engine/kernels/nvfp4_decode_gluon.py: mma.sync on
-fragments loaded straight into registers, x reused from L1; 1.04-1.26x this module's decode
-kernel at M = 1 and 4 on the Llama-3.1-8B shapes, slower at 16), 4 < M <= SMALL_M (64)
-`_small_m_kernel` below (to M = 128 for N >= WIDE_N, `decode_kernel_takes`), larger M the tile
-kernel (engine/kernels/nvfp4.py sends M > 128 to dequantise + cuBLAS); elsewhere (other GPUs, the
-interpreter) the same without the Gluon kernel. A config dict picks a kernel explicitly (decode_config's:
-Gluon, small_m_config's: `_small_m_kernel`, matmul_config's: the tile kernel), which the
-benchmark uses to time them side by side. Every kernel here reads the weight row-major or in
-the 16-row tiles the engine stores (engine/kernels/nvfp4.py).
+Weight operand `w`: any object with `packed` (uint8 e2m1 pairs, low nibble = even K), `block_scale`
+(e4m3, one per 16 along K), `tensor_scale` (fp32 scalar), `shape` (N, K) and `tiled` (storage in
+16-row x 128-K tiles, engine/formats/nvfp4.py). Activations bf16 [M, K], unit stride along K.
 
-Decode (M <= 64, or 128, `_small_m_kernel`): a weight-streaming kernel. The weight tile is the MMA's A
-operand (its rows on the M side, x^T the [K, 16..128] B operand), so one token still feeds the
-tensor cores, which leaves the CUDA cores only the e2m1 decode: per packed 32-bit word (8 values),
-17 instructions (`_DECODE_PTX`: mask, multiply-shift, mask per bf16 pair, then one bf16x2 multiply
-by the block scale), about 2.1 per weight element. Three things keep the decode that cheap:
+`decode_gemm(x, w, out)` (M <= 128, K % 64 == 0): a weight-streaming kernel. The weight tile is the
+MMA's A operand (its rows on the M side, x^T the [K, 16..128] B operand), so one token still feeds
+the tensor cores, which leaves the CUDA cores only the e2m1 decode: per packed 32-bit word (8
+values), 17 instructions (`_decode_ptx`: mask, multiply-shift, mask per bf16 pair, then one bf16x2
+multiply by the block scale). Three things keep the decode that cheap:
 - the word is never split across threads: the MMA's A fragment gives each thread 2 rows x 8 K
   values per 32 K, so the kernel reorders K (the same way in W and x, which leaves the dot product
-  unchanged) until those 8 logical K positions are one packed word (`_logical_k` below);
+  unchanged) until those 8 logical K positions are one packed word (`_logical_k`);
 - the pairs that a shift can place cheaply, (k0, k4), (k1, k5), (k2, k6), (k3, k7), become the
   bf16x2 registers the MMA reads, with no shuffle afterwards;
 - e2m1 is decoded by position, not value: the 3 magnitude bits land on bf16 bits 8:6 (exponent
@@ -29,49 +22,47 @@ by the block scale), about 2.1 per weight element. Three things keep the decode 
 The PTX is written for the A operand's register order, which only holds where Triton propagates
 the MMA layout back through the decode; the layout is checked per configuration on the compiled
 kernel (`_ptx_decode_layout_ok`), and where it does not hold the kernel decodes arithmetically.
-K is split across programs when N alone leaves SMs idle; the partial sums meet in an fp32
-accumulator and the last program of each tile (a counter per tile, reset by that program) writes
-y, so one launch does the whole product (engine/kernels/split_k.py). On an H200 the decode kernel
-streams 1.4-2.0 TB/s, 1.4x the tile kernel below and 32-47% of the copy bandwidth
-(BENCHMARKS.md).
+K is split across programs when N alone leaves SMs idle; the partial sums meet in the same
+launch (engine/kernels/split_k.py). Launch parameters: `small_m_config`.
 
-What limits it (ncu on an H200, 28672 x 4096, M = 1, 128-row tiles): 237 registers leave room
-for 2 programs (8 warps) per SM; the schedulers issue in 48% of cycles with 1.75 warps each and
-DRAM is 43% busy, so it is latency-bound at low occupancy, and it also issues ~3.4 instructions
-per weight against the decode's 2.1. The rest is mostly x: Triton folds the K permutation of
-`_logical_k` into the x loads (one 2-byte load per element) and stages x twice through shared
-memory for the WGMMA B operand, every K step (SASS of the loop, Triton 3.9), plus the scale
-conversion (0.25 per weight). Raising occupancy alone did not help (small_m_config).
+`dequantize_bf16(w)`: the whole weight decoded to bf16 (`_decode_tile`: `prmt` table lookups);
+`dequantize_scratch(w)` decodes into one reused buffer per device, for large M, where decoding
+once and running cuBLAS's bf16 GEMM beats decoding per tile.
 
-Prefill (M > 16, `_nvfp4_matmul_kernel`): each program decodes a [BLOCK_N, BLOCK_K] tile to bf16
-with `prmt` table lookups (_E2M1_TO_BF16_PTX) and feeds it to the tensor cores against a
-[BLOCK_M, BLOCK_K] activation tile (mma.sync at BLOCK_M = 16, WGMMA from 64 rows); even and odd
-K stay in separate halves (two dots, x split the same way).
-
-The interpreter (TRITON_INTERPRET=1) cannot run inline PTX; there both kernels decode with plain
+The interpreter (TRITON_INTERPRET=1) cannot run inline PTX; there the kernels decode with plain
 Triton arithmetic that computes the same function (`_e2m1_to_bf16_arith`, `_decode_words_arith`),
-and the tests check it against the reference; a CPU test executes `_DECODE_PTX` instruction by
-instruction in Python against `_decode_words_arith`'s element order, and the GPU tests check the
-PTX paths against the reference.
-
-`dequantize_bf16(w)`: the whole weight decoded to a bf16 matrix (for large M, where dequantise +
-cuBLAS beats the fused kernel, and for quality reports).
+and the tests check it against the reference; a CPU test executes `_decode_ptx` instruction by
+instruction against `_decode_words_arith`'s element order.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.nvfp4 import E2M1_BF16_LUT_PTX, Nvfp4Tensor, nvfp4_linear_reference
-from engine.kernels.nvfp4_decode_gluon import decode_matmul
+from engine.kernels.platform import interpreting, sm_count
 from engine.kernels.split_k import split_k_arrive, split_k_buffers, split_k_take
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# The start of the table-lookup decoder's inline PTX: $4 holds 4 packed bytes = 8 codes. `prmt`
+# looks 4 bytes up in an 8-byte table indexed by 3-bit codes (the sign masked off): hi_a:hi_b hold
+# the high bytes of the bf16 encodings of the 8 e2m1 magnitudes (0x0000 3F00 3F80 3FC0 4000 4040
+# 4080 40C0), lo_a:lo_b the low bytes; h0/l0 serve codes 0..3 of the word, h1/l1 codes 4..7.
+# `shifted` (the word shifted left by 4) puts the even-K codes' sign bits at the top of a byte.
+E2M1_BF16_LUT_PTX = """mov.b32 hi_a, 0x3F3F3F00;
+mov.b32 hi_b, 0x40404040;
+mov.b32 lo_a, 0xC0800000;
+mov.b32 lo_b, 0xC0804000;
+and.b32 sel0, $4, 0x7777;
+shr.b32 sel1, $4, 16;
+and.b32 sel1, sel1, 0x7777;
+prmt.b32 h0, hi_a, hi_b, sel0;
+prmt.b32 l0, lo_a, lo_b, sel0;
+prmt.b32 h1, hi_a, hi_b, sel1;
+prmt.b32 l1, lo_a, lo_b, sel1;
+shl.b32 shifted, $4, 4;
+"""
 
-# After the table lookups of E2M1_BF16_LUT_PTX (engine/kernels/nvfp4.py), a second `prmt`
+# After the table lookups of E2M1_BF16_LUT_PTX, a second `prmt`
 # interleaves low and high bytes into bf16x2 words. The sign comes from `prmt`'s
 # sign-replicate mode (selector bit 3): it copies the top bit of a chosen byte over a whole byte;
 # a nibble's sign bit is the top bit of a byte either of the packed word (odd K) or of the word
@@ -145,68 +136,13 @@ def _decode_tile(packed_ptrs, scale_ptrs, row_mask, BLOCK_N: tl.constexpr, BLOCK
 def _weight_offsets(rows, cols, k0, K: tl.constexpr, PER_K: tl.constexpr, TILED: tl.constexpr):
     """[R, C] element offsets into a weight array of PER_K elements per row and 128 K (packed
     bytes 64, words 16, block scales 8): rows `rows`, columns `cols` counted from K position k0,
-    in row-major or tiled storage (engine/kernels/nvfp4.py; k0 a multiple of 128 there)."""
+    in row-major or tiled storage (engine/formats/nvfp4.py; k0 a multiple of 128 there)."""
     if TILED:
         row_offs = (rows // 16) * (K // 128 * 16 * PER_K) + (rows % 16) * PER_K
         c = cols + k0 // 128 * PER_K
         return row_offs[:, None] + ((c // PER_K) * (16 * PER_K) + c % PER_K)[None, :]
     else:
         return rows[:, None] * (K * PER_K // 128) + (k0 * PER_K // 128 + cols)[None, :]
-
-
-@triton.jit
-def _nvfp4_matmul_kernel(
-    x_ptr, packed_ptr, scale_ptr, tensor_scale_ptr, out_ptr,
-    M, N, stride_xm, stride_om, K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, INTERPRETER: tl.constexpr, TILED: tl.constexpr,
-):
-    # K is a compile-time constant (a model has two or three): row strides K/2 and K/16 are then
-    # known multiples of 16 bytes, so weight and scale loads are 16-byte vectors. TILED: the
-    # weight in 16-row x 128-K tiles (BLOCK_K a multiple of 128).
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_kh = tl.arange(0, BLOCK_K // 2)          # packed bytes
-    offs_ks = tl.arange(0, BLOCK_K // 16)         # block scales
-    offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-
-    k_per_split = K // SPLIT_K
-    k_start = pid_k * k_per_split
-    packed_ptrs = packed_ptr + _weight_offsets(offs_n, offs_kh, k_start, K, 64, TILED)
-    scale_ptrs = scale_ptr + _weight_offsets(offs_n, offs_ks, k_start, K, 8, TILED)
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
-    # Tiled, the next BLOCK_K of a row lies past the other 15 rows of its tiles.
-    ROWS_PER_STEP: tl.constexpr = 16 if TILED else 1
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(0, k_per_split, BLOCK_K):
-        # Weight rows past N read as 0 and are never stored, so tail tiles need no padding.
-        w_even, w_odd = _decode_tile(packed_ptrs, scale_ptrs, n_mask[:, None], BLOCK_N, BLOCK_K,
-                                     INTERPRETER)
-        x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
-        x_even, x_odd = tl.split(x.reshape(BLOCK_M, BLOCK_K // 2, 2))
-        if INTERPRETER:
-            acc = tl.dot(x_even.to(tl.float32), tl.trans(w_even), acc, input_precision="ieee")
-            acc = tl.dot(x_odd.to(tl.float32), tl.trans(w_odd), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x_even, tl.trans(w_even), acc)
-            acc = tl.dot(x_odd, tl.trans(w_odd), acc)
-        packed_ptrs += ROWS_PER_STEP * (BLOCK_K // 2)
-        scale_ptrs += ROWS_PER_STEP * (BLOCK_K // 16)
-        x_ptrs += BLOCK_K
-
-    acc = acc * tl.load(tensor_scale_ptr)
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        tl.atomic_add(out_ptrs, acc, mask=out_mask, sem="relaxed")
 
 
 @triton.jit
@@ -389,22 +325,7 @@ def _small_m_kernel(
             tl.store(out_ptrs, (total * scale_out).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-SMALL_M = 64  # the decode kernel's range; up to 128 rows for N >= WIDE_N (decode_kernel_takes)
-WIDE_N = 16384
-# The Gluon decode kernel's range: faster than _small_m_kernel at M = 1, 2, 4 on all three
-# Llama-3.1-8B shapes, mixed at 8, slower at 16 (H200; engine/kernels/nvfp4_decode_gluon.py).
-GLUON_MAX_M = 4
-_GLUON_DEVICE: dict = {}
-
-
-def _gluon_device(device) -> bool:
-    """Where the Gluon decode kernel runs: compiled (not the interpreter) for sm_90, the only
-    architecture it was written and measured for (mul.rn.bf16x2 needs sm_90 or later)."""
-    if INTERPRET or device.type != "cuda":
-        return False
-    if device not in _GLUON_DEVICE:
-        _GLUON_DEVICE[device] = torch.cuda.get_device_capability(device) == (9, 0)
-    return _GLUON_DEVICE[device]
+MAX_M = 128  # the decode kernel's range
 
 
 def small_m_config(m: int, n: int, k: int, sm_count: int, block_n: int | None = None,
@@ -415,23 +336,15 @@ def small_m_config(m: int, n: int, k: int, sm_count: int, block_n: int | None = 
     benchmark's sweep; `maxnreg` caps registers per thread, a Triton compile option).
 
     Tokens: one tile of BLOCK_M = 16, 32, 64 or 128 (the smallest that holds M), the WGMMA's N.
-    M <= 16: 128-row tiles, 256 K deep, 4 words (16 bytes) per thread and row, 3 stages; K is split until
-    there are 1.5 programs per SM, as long as each program keeps at least 4 K steps. Where that
-    leaves too few steps (a 4096-deep 6144-row layer: 48 tiles would need 4-way splits of 4
-    steps), 128 deep, 4 stages. Chosen from two H200 sweeps (BENCHMARKS.md): the fastest
-    configuration at each Llama-3.1-8B shape, M = 1 and 16, within 1.5%; 16-byte words per thread
-    beat 8 by 1-5% everywhere. More programs per SM do not pay: 8 warps per 128 rows or 64-row
-    tiles (111-127 registers, 16 warps per SM) ran 2-10% slower, and a 168-register cap on the
-    default (237 registers, 2 programs per SM) spilled and ran 1.4-1.6x slower.
-    16 < M <= 128: 128-row tiles, 128 K deep, 8 warps, 4 stages: the fastest configuration swept
-    at M = 32, 64, 96 and 128 on the four Llama-3.1-8B shapes, except at 6144 x 4096, M = 32
-    (64-row tiles with 4 warps: 13.2 against 15.2 us, while the four GEMMs of a layer summed the
-    same). Against the tile kernel that ran there before: 1.04-1.36x per GEMM up to M = 64; at
-    M = 96 and 128 1.07-1.10x at 28672 rows, even at 4096 x 14336, slower at 4096 and 6144 rows
-    (up to 1.17x), so `nvfp4_matmul` runs it there only for N >= WIDE_N (H200, BENCHMARKS.md).
+    M <= 16: 128-row tiles, 256 K deep, 4 words (16 bytes) per thread and row, 3 stages; K is split
+    until there are 1.5 programs per SM, as long as each program keeps at least 4 K steps; where
+    that leaves too few steps (a short, shallow layer), 128 deep, 4 stages. More programs per SM do
+    not pay here: the kernel holds ~240 registers, and capping them spills.
+    16 < M <= 128: 128-row tiles, 128 K deep, 8 warps, 4 stages.
+    These are the fastest configurations of bench_nvfp4.py --sweep on the Llama-3.1-8B shapes.
     """
-    if m > 2 * SMALL_M:
-        raise ValueError(f"the decode kernel takes M <= {2 * SMALL_M}, got {m}")
+    if m > MAX_M:
+        raise ValueError(f"the decode kernel takes M <= {MAX_M}, got {m}")
     block_m = 16 if m <= 16 else triton.next_power_of_2(m)
 
     def split_for(bn, bk):
@@ -491,10 +404,11 @@ def _ptx_decode_layout_ok(args: tuple, grid: tuple, cfg: dict, k: int, out_dtype
     return _PTX_LAYOUT_OK[key]
 
 
-def _small_m_matmul(x: torch.Tensor, w: Nvfp4Tensor, out: torch.Tensor, config: dict | None):
+def decode_gemm(x: torch.Tensor, w, out: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """out[M, N] = x[M, K] @ W^T for M <= 128 (the module docstring's decode kernel)."""
     m, k = x.shape
     n = w.shape[0]
-    cfg = dict(config or small_m_config(m, n, k, _sm_count(x.device)), TILED=w.tiled)
+    cfg = dict(config or small_m_config(m, n, k, sm_count(x.device)), TILED=w.tiled)
     _check_tiled_depth(w, cfg["BLOCK_K"])
     split = cfg["SPLIT_K"]
     tiles = triton.cdiv(n, cfg["BLOCK_N"])
@@ -502,100 +416,18 @@ def _small_m_matmul(x: torch.Tensor, w: Nvfp4Tensor, out: torch.Tensor, config: 
     args = (x, w.packed.view(torch.int32), w.block_scale.view(torch.uint8), w.tensor_scale, out,
             acc, count, m, n, x.stride(0), out.stride(0))
     grid = (tiles, split)
-    use_ptx = not INTERPRET and _ptx_decode_layout_ok(args, grid, cfg, k, out.dtype)
-    _small_m_kernel[grid](*args, K=k, USE_PTX=use_ptx, INTERPRETER=INTERPRET, **cfg)
+    use_ptx = not interpreting() and _ptx_decode_layout_ok(args, grid, cfg, k, out.dtype)
+    _small_m_kernel[grid](*args, K=k, USE_PTX=use_ptx, INTERPRETER=interpreting(), **cfg)
     return out
 
 
-def _check_tiled_depth(w: Nvfp4Tensor, block_k: int) -> None:
+def _check_tiled_depth(w, block_k: int) -> None:
     """A tiled weight is read 128 K (one tile) at a time or in multiples of it."""
     if w.tiled and block_k % 128:
         raise ValueError(f"a tiled NVFP4 weight needs BLOCK_K a multiple of 128, got {block_k}")
 
 
-def _sm_count(device) -> int:
-    if INTERPRET or device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def matmul_config(m: int, n: int, k: int, sm_count: int, block_n: int | None = None,
-                  block_k: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None, split_k: int | None = None) -> dict:
-    """Tile shape, split-K and launch parameters (keyword overrides for benchmark sweeps).
-
-    BLOCK_M is the smallest MMA-friendly size that holds M (16 up to 128). A program decodes a
-    [BLOCK_N, BLOCK_K] weight tile per step: 64 x 128 (4 KiB packed), 128-row tiles once M is
-    large enough to fill the GPU with them. K is split (fp32 atomics) until the grid has 4 (M <=
-    16) or 2 programs per SM, at most 8 ways: an 8B model's 4096 x 14336 down projection has only
-    64 weight tiles of 64 rows for 132 SMs. These defaults were the fastest or within 6% of the
-    fastest of the configurations swept on an H200 (BENCHMARKS.md, bench_nvfp4.py --sweep).
-    """
-    block_m = 16 if m <= 16 else min(128, triton.next_power_of_2(m))
-    if block_n is None:
-        block_n = 128 if m > 256 else 64
-    if block_k is None:
-        block_k = 128
-    while k % block_k:
-        block_k //= 2
-    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-    steps = k // block_k
-    if split_k is None:
-        target = (4 if m <= 16 else 2) * sm_count
-        split_k = 1
-        while (tiles * split_k < target and split_k < 8 and steps % (2 * split_k) == 0
-               and steps >= 4 * split_k):
-            split_k *= 2
-    if steps % split_k:
-        raise ValueError(f"SPLIT_K={split_k} does not divide {steps} K steps")
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-                num_warps=num_warps or (8 if block_m == 128 else 4),
-                num_stages=num_stages or (4 if m <= 16 else 3))
-
-
-def decode_kernel_takes(m: int, n: int) -> bool:
-    """Whether `_small_m_kernel` runs M tokens by default: up to SMALL_M, and up to 2 x SMALL_M
-    for wide weights (at 96-128 tokens it beat the tile kernel only at N = 28672 of the
-    Llama-3.1-8B shapes; small_m_config)."""
-    return m <= SMALL_M or (m <= 2 * SMALL_M and n >= WIDE_N)
-
-
-def supported(x: torch.Tensor, w: Nvfp4Tensor) -> bool:
-    """The kernels need K a multiple of 64 (32-byte packed rows) and a unit-stride x row."""
-    return w.shape[1] % 64 == 0 and x.dim() == 2 and x.stride(1) == 1 and x.dtype in (
-        torch.bfloat16, torch.float16)
-
-
-def nvfp4_matmul(x: torch.Tensor, w: Nvfp4Tensor, out_dtype: torch.dtype = torch.bfloat16,
-                 config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """y[M, N] = x[M, K] @ W^T, W in NVFP4, fp32 accumulation; written into `out` if given.
-    Kernel by M and device (module docstring) or by the config dict given: decode_config's (the
-    Gluon decode kernel), small_m_config's (`_small_m_kernel`) or matmul_config's (tile kernel)."""
-    m, k = x.shape
-    n = w.shape[0]
-    if out is None:
-        out = torch.empty(m, n, device=x.device, dtype=out_dtype)
-    if not supported(x, w):
-        return out.copy_(nvfp4_linear_reference(x, w, out.dtype))
-    if x.dtype != torch.bfloat16:
-        x = x.to(torch.bfloat16)
-    if (config is None and m <= GLUON_MAX_M and _gluon_device(x.device)) or (config and "WK" in config):
-        return decode_matmul(x, w, out, config)
-    if (config is None and decode_kernel_takes(m, n)) or (config and "WPT" in config):
-        return _small_m_matmul(x, w, out, config)
-    cfg = dict(config or matmul_config(m, n, k, _sm_count(x.device)))
-    _check_tiled_depth(w, cfg["BLOCK_K"])
-    split = cfg.pop("SPLIT_K")
-    # Split-K partial sums meet in an fp32 buffer (atomics), cast once at the end.
-    target = out if split == 1 else torch.zeros(m, n, device=x.device, dtype=torch.float32)
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
-    _nvfp4_matmul_kernel[grid](
-        x, w.packed, w.block_scale, w.tensor_scale, target, m, n, x.stride(0), target.stride(0),
-        K=k, SPLIT_K=split, INTERPRETER=INTERPRET, TILED=w.tiled, **cfg)
-    return out if split == 1 else out.copy_(target)
-
-
-def dequantize_bf16(w: Nvfp4Tensor, dtype: torch.dtype = torch.bfloat16,
+def dequantize_bf16(w, dtype: torch.dtype = torch.bfloat16,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """The dense [N, K] weight, decoded on the device (into `out` if given)."""
     n, k = w.shape
@@ -606,14 +438,14 @@ def dequantize_bf16(w: Nvfp4Tensor, dtype: torch.dtype = torch.bfloat16,
     block_n, block_k = 64, 256 if k % 256 == 0 else 128 if w.tiled else 64
     _dequantize_kernel[(triton.cdiv(n, block_n), k // block_k)](
         w.packed, w.block_scale, w.tensor_scale, out, n, k,
-        BLOCK_N=block_n, BLOCK_K=block_k, INTERPRETER=INTERPRET, TILED=w.tiled, num_warps=4)
+        BLOCK_N=block_n, BLOCK_K=block_k, INTERPRETER=interpreting(), TILED=w.tiled, num_warps=4)
     return out
 
 
 _SCRATCH: dict = {}
 
 
-def dequantize_scratch(w: Nvfp4Tensor) -> torch.Tensor:
+def dequantize_scratch(w) -> torch.Tensor:
     """dequantize_bf16 into one bf16 buffer per device, grown to the largest weight and reused by
     every large-M GEMM: the decoded weight lives only until cuBLAS has read it (recompute instead of
     store), and a fresh [N, K] allocation per GEMM (235 MB for an 8B model's gate/up) made the

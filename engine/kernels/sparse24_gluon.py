@@ -1,12 +1,12 @@
-"""2:4-sparse decode GEMM on Hopper's sparse tensor cores (mma.sp m16n8k32), in Gluon, for
+"""2:4-sparse decode GEMM on Hopper's sparse tensor cores (sm_90, mma.sp m16n8k32), in Gluon, for
 M <= 16 tokens: y = x @ W^T, W 2:4-compressed (`values` bf16 [N, K/2], `meta` uint8 [N, K/8], see
-sparse24.py, with the metadata rearranged once per weight by `mma_order_meta`).
+engine/formats/sparse24.py, with the metadata rearranged once per weight by `mma_order_meta`).
+`launch(x, values, meta_mma, scale, config, out, swiglu)` runs it where `unsupported` (or
+`swiglu_unsupported`) returns None; a config is ("sp", BM, BLOCK_N, WPT, SPLIT_K, num_warps, WK).
 
 The kept values go to the tensor core as they are stored: mma.sp takes the A operand compressed
 (16 x 16 kept values standing for 16 x 32) plus 2-bit indices, so there is no expansion in registers
-(an earlier Gluon kernel built the dense fragment with two `prmt` per group for mma.sync; it was
-1.07-1.21x slower at every M and was removed, see BENCHMARKS.md) and one instruction does the work
-of two dense k16 MMAs.
+and one instruction does the work of two dense k16 MMAs.
 
 Fragments (PTX ISA, sparse m16n8k32 .bf16; groupID g = lane / 4, q = lane % 4):
 - A, 4 registers, each one group's two kept values (the stored 32-bit word): rows g, g + 8 of
@@ -14,8 +14,8 @@ Fragments (PTX ISA, sparse m16n8k32 .bf16; groupID g = lane / 4, q = lane % 4):
 - B (x^T), 4 registers of bf16 pairs: token g, logical K 2q + 8i (+0, +1), i = 0..3.
 - metadata, 1 register read from threads q = 0 and 1 of each quad (sparsity selector 0): thread q
   holds logical groups 4q .. 4q + 3 of row g in bits 0..15 and of row g + 8 in bits 16..31, a
-  nibble per group, i0 | i1 << 2 (the stored nibble). (Checked on the H200: one row per thread, all
-  8 groups, gives wrong products.)
+  nibble per group, i0 | i1 << 2 (the stored nibble). (One row per thread, all 8 groups, gives
+  wrong products.)
 - C / D: rows g, g + 8, tokens 2q, 2q + 1, as the dense m16n8k16.
 
 K order. A K step is 4 * WPT groups of a row (16 * WPT K); thread q loads WPT consecutive stored
@@ -24,32 +24,23 @@ logical groups q and q + 4 from those words: MMA c takes stored group WPT * (j %
 as its logical group j. x is read in the same order (a permutation of K applied to both operands
 leaves the product unchanged). A thread's B pairs are then half of each of 2 * WPT stored groups of
 x, the other halves belonging to its neighbour lane: each lane loads one run of 2 * WPT whole pairs
-as 16-byte vectors, and neighbouring lanes swap halves (shfl.bfly; 4-byte loads of the pairs
-instead took 87 against 46 us at 16 tokens). x is loaded two steps ahead, like the weights.
+as 16-byte vectors, and neighbouring lanes swap halves (shfl.bfly; 4-byte loads of the pairs are
+about twice as slow at 16 tokens). x is loaded two steps ahead, like the weights.
 
 Metadata. The kernel reads the registers the MMAs take, precomputed per weight (`mma_order_meta`,
 one copy per WPT: the same bytes as meta, 1/8 of the values') and stored in load order, so thread
 (g, q) loads its WPT/2 registers of a step as one 8- or 16-byte vector and hands them over as they
-are. Assembling them in the loop from the stored nibbles (byte (WPT/2) m + c of a row's step holds
-logical groups m and m + 4 of MMA c) took 8 loads and about 13 integer instructions per MMA and
-64 registers at 4 row blocks per warp: at 16 tokens 254 registers against 188 now, and 766 SASS
-instructions per loop body against 276 (Triton 3.6).
-
-Measured (H200, CUDA-graph medians over 3 weight copies), M = 1 / 4 / 8 / 16: gate_up 28672 x 4096
-33.1 / 33.8 / 35.0 / 38.1 us (4.0 TB/s of compressed weight at M = 1), down 4096 x 14336 18.6 /
-19.1 / 20.5 / 22.0 us; with the metadata assembled in the loop 34.0 / 35.4 / 38.4 / 42.3 and
-19.6 / 20.1 / 22.0 / 25.5 (same run); the `prmt` kernel's best 37.2 / 37.6 / 37.3 / 44.7 and
-22.1 / 23.0 / 24.0 / 26.6. At 16 tokens x is the other cost: every warp loads it through L1 (ncu
-at one row block per warp: L1 82% busy, DRAM 61%), so RB row blocks per warp share it in
-registers; 4 of them took gate_up from 46.9 to 42.2 us before the metadata change.
+are: assembling them in the loop from the stored nibbles costs about 13 integer instructions per
+MMA and 60-70 more registers. At 16 tokens x is the other cost (every warp loads it through L1), so
+RB row blocks per warp share it in registers.
 
 SwiGLU epilogue (SWIGLU, for the fused gate/up projection): a program's row blocks alternate gate
 and up rows, so each thread holds both operands of its outputs and writes silu(gate) * up, saving
-the SwiGLU kernel and its launch (about 2 us per FFN block at M <= 4). It needs an even number of
-row blocks per warp and no split-K, which at 8-16 tokens costs more than it saves, so
-sparse24.sparse24_swiglu_mm times it against the unfused pair before using it.
+the SwiGLU kernel and its launch. It needs an even number of
+row blocks per warp and no split-K, which at 8-16 tokens can cost more than it saves: the tuner
+times it against the unfused pair (engine/formats/sparse24.py).
 
-Work split as in the other Gluon decode kernels (engine/kernels/nvfp4_decode_gluon.py, whose K loop
+Work split as in the other Gluon decode kernels (engine/kernels/nvfp4_gluon.py, whose K loop
 `stream_steps` and epilogue `store_rows` this kernel runs): num_warps / WK warps split the rows,
 16 * RB each, WK warps split K step by step, SPLIT_K programs split K in one launch; two K steps in
 flight per warp; rows past N and tokens past M re-read the last one, so the loop has no masks.
@@ -60,7 +51,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from engine.kernels.nvfp4_decode_gluon import store_rows, stream_steps
+from engine.kernels.nvfp4_gluon import store_rows, stream_steps
 from engine.kernels.split_k import split_k_buffers
 
 _MMA_SP = gl.constexpr(
@@ -263,7 +254,7 @@ def sparse24_sp_kernel(
         [WK, 1, T, 8, 4, 2 * WPT], gl.int32, layout=x_layout)
 
     acc = gl.zeros([WK, NB, T, 8, 4, 4], gl.float32, layout=frag)
-    # x two steps ahead, with the weights: 34.1 against 37.1 us at 28672 x 4096, M = 1 (H200)
+    # x two steps ahead, with the weights (faster here, where x is a larger share of the bytes)
     acc = stream_steps(_mma_sp_step, words_ptrs, meta_ptrs, x_ptrs, acc, STEPS, STEP_K // 2, WK, BLOCK_N,
                        WPT, MP, X_AHEAD=True, S_STEP=16 * C)
     if SWIGLU:  # row blocks (2j, 2j + 1) = (gate, up) of output block j, in one thread's registers
@@ -285,8 +276,6 @@ def unsupported(x, values, meta, cfg) -> str | None:
     WK), or None."""
     _, _, bn, wpt, split_k, warps, wk = cfg
     m, k = x.shape
-    if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] != 9:
-        return "not sm_90"
     if values.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
         return "bf16 values and activations only"
     if m > 16:

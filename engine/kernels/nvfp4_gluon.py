@@ -1,7 +1,10 @@
-"""NVFP4 decode GEMM for Hopper (M <= 16 tokens), in Gluon: y = x @ W^T, W an Nvfp4Tensor.
+"""NVFP4 decode GEMM for Hopper (sm_90, M <= 16 tokens), in Gluon: y = x @ W^T.
 
-`decode_matmul(x, w, out)` is what `nvfp4_matmul` (engine/kernels/nvfp4_decode.py) runs for
-M <= GLUON_MAX_M on sm_90; `decode_config` picks its tiling.
+`decode_matmul(x, w, out)`: x bf16 [M, K] (unit stride along K), w an NVFP4 weight as in
+engine/kernels/nvfp4_triton.py (K % 64 == 0; K % 128 == 0 when tiled); with swiglu=True, W a fused
+gate/up projection and out silu(gate) * up [M, N/2]. `decode_config` / `swiglu_config` hold its
+tuning constants. The NVFP4 format (engine/formats/nvfp4.py) selects it where it is fastest: the
+fewest tokens (its x traffic grows with M, where WGMMA's shared x does not).
 
 Design (Marlin-style, every operand in registers; explicit layouts, checked at compile time):
 - mma.sync m16n8k16 bf16 -> fp32, the weights the A operand (16 rows), x^T the B operand (one
@@ -25,7 +28,7 @@ Design (Marlin-style, every operand in registers; explicit layouts, checked at c
 - Two K steps in flight per warp: the loop body computes steps i, i+1 and refills their registers
   with steps i+2, i+3 (plain loads; the pointers advance once per body and each step is a
   constant offset folded into the load). `stream_steps` (the loop, with the per-step function
-  passed in) and the epilogue `store_rows` also run the 2:4 kernel of engine/kernels/sparse24_sp_gluon.py.
+  passed in) and the epilogue `store_rows` also run the 2:4 kernel of engine/kernels/sparse24_gluon.py.
 - Work split: a program is `num_warps` warps over BLOCK_N rows; WK of them split K (warp w takes
   K steps w, w + WK, ..: neighbouring chunks of the same rows) and the other num_warps / WK split
   the rows; the WK partial sums meet once, after the loop, through shared memory (`gl.sum` over
@@ -33,26 +36,9 @@ Design (Marlin-style, every operand in registers; explicit layouts, checked at c
   same launch like engine/kernels/split_k.py (`_split_k_arrive` / `_split_k_take`, the same
   protocol and buffers, in Gluon).
 
-Storage: row-major or the 16-row x 128-K tiles the engine keeps on CUDA (TILED; engine/kernels/
-nvfp4.py), where a warp's K step of 16 rows is one contiguous 1 KB read: 1.02-1.11x the row-major
-order at M = 1 and 4 (BENCHMARKS.md).
-
-Measured on the tiled order (H200, CUDA-graph medians, weights rotated beyond L2; bench_nvfp4.py
---decode, copy 4226 GB/s): at M = 1, 8.7 / 25.5 / 15.9 us for 6144 x 4096, 28672 x 4096,
-4096 x 14336, i.e. 38% / 61% / 49% of copy bandwidth, 1.1-1.3x the Triton decode kernel and
-2.0-2.3x bf16 cuBLAS. Slower at M = 16 (12.7 / 49.7 / 32.8 us against 10.0 / 33.7 / 18.8 for
-the Triton kernel; mixed at M = 8 in an earlier run), so `nvfp4_matmul` keeps the Triton kernel there:
-each warp loads its own x fragment, 4 KB per K step at 16 tokens against 1 KB of weights (ncu,
-28672 x 4096, 128-row programs: 5x the weight bytes through L1, L1 71% busy), where WGMMA reads
-x from shared memory once per warpgroup.
-
-What limits M = 1 is the access pattern more than the decode: the same loads with the decode left
-out (a probe, not kept) reached 46-64% of copy bandwidth with 64 contiguous bytes per row, warp
-and step, 55-72% with 128 (WPT = 8, which is slower once the decode is back: fewer steps per warp,
-more registers). ncu at 28672 x 4096, M = 1: 55% DRAM throughput, 53% issue-active, 72 registers
-(7 programs per SM), long-scoreboard stalls half of the warps' cycles. Neither more bytes in
-flight (a TMA ring in shared memory; four K steps in registers) nor a 12-instruction decode made
-it faster; the tiled storage, longer contiguous reads, did (BENCHMARKS.md).
+Storage: row-major or the 16-row x 128-K tiles the engine keeps on CUDA (TILED), where a warp's
+K step of 16 rows is one contiguous 1 KB read; contiguity, not bytes in flight or decode
+instructions, is what moves this kernel (BENCHMARKS.md lists what was tried).
 """
 from __future__ import annotations
 
@@ -62,6 +48,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from engine.kernels.platform import sm_count
 from engine.kernels.split_k import split_k_buffers
 
 # The CTA-wide barrier is gl.thread_barrier in Triton 3.6 (the GPU machine's) and gl.barrier in later
@@ -235,7 +222,7 @@ def _stored_offsets(ks, rows, cols, k0, K: gl.constexpr, STEP_K: gl.constexpr, P
                     TILED: gl.constexpr):
     """[WK, R, C] offsets of the elements (PER_K of them per row and 128 K: 16 words, or block
     scales of 4, 2 or 1 bytes: 2, 4 or 8) of K steps `ks`, rows `rows`, columns `cols` within a
-    step, from K position k0; row-major or in tiles of 16 rows x 128 K (engine/kernels/nvfp4.py)."""
+    step, from K position k0; row-major or in tiles of 16 rows x 128 K (engine/formats/nvfp4.py)."""
     if TILED:  # STEP_K and k0 multiples of 128
         c = (ks * (STEP_K // 128 * PER_K))[:, None, None] + cols[None, None, :] + k0 // 128 * PER_K
         row = (rows // 16) * (K // 128 * 16 * PER_K) + (rows % 16) * PER_K
@@ -308,9 +295,8 @@ def stream_steps(MMA_STEP: gl.constexpr, words_ptrs, side_ptrs, x_ptrs, acc,
     """acc += every K step of the warp's slice, MMA_STEP(words, side, x, acc, ..) decoding
     one step. Two steps in flight: the loop body consumes steps i, i+1 and refills them with i+2,
     i+3; the pointers advance once per body, the steps are constant offsets from them. X_AHEAD:
-    x is loaded with the weights, two steps ahead (the sparse-MMA 2:4 kernel, where it took
-    gate_up from 37.1 to 34.1 us at M = 1), else when its step runs (fewer registers; it helped
-    the other kernels only in one 2:4 case at 16 tokens). S_STEP: side elements from a step to the
+    x is loaded with the weights, two steps ahead (the sparse-MMA 2:4 kernel, whose x share of the
+    bytes is larger), else when its step runs (fewer registers). S_STEP: side elements from a step to the
     next (4, one per thread of a row's quad; the sparse-MMA kernel's metadata registers are stored
     per 16-row block and step). W_STEP: words from a step to the next (0: 4 * WPT, row-major;
     tiled storage: 16 x that)."""
@@ -454,7 +440,7 @@ def nvfp4_decode_kernel(
     weight as int32 [N, K/8], scale_ptr its e4m3 block scales [N, K/16] (read WPT/2 at a time);
     with SPLIT_K > 1 the programs of a row tile add into acc_ptr (fp32 [M, N], zero on entry) and
     the last one writes y and zeroes acc_ptr and its counter in count_ptr. TILED: the weight
-    stored in tiles of 16 rows x 128 K (engine/kernels/nvfp4.py; WPT 4 or 8), where a row's next
+    stored in tiles of 16 rows x 128 K (engine/formats/nvfp4.py; WPT 4 or 8), where a row's next
     K step lies 16 rows further on. SWIGLU: W is a fused gate/up projection (rows [0, N/2) gate,
     [N/2, N) up) and y [M, N/2] = silu(gate) * up, formed in registers before the one store (each
     warp needs an even number of 16-row blocks; with split-K, scratch programs x BLOCK_N wide)."""
@@ -493,10 +479,8 @@ def decode_config(m: int, n: int, k: int, sm_count: int, block_n: int | None = N
     of 128 (2 and 64 where K is not a multiple of 128). Starting from the 4 warps splitting 64
     rows, while there are fewer than 6 programs per SM the warps move from rows to K (64 rows x 1
     K slice -> 32 x 2 -> 16 x 4), then K is split across programs as long as each warp keeps 7
-    K steps. That is the fastest configuration measured at M = 1 for each Llama-3.1-8B shape
-    (H200, bench_nvfp4.py --sweep): 16 rows x 4 slices at 6144 x 4096, 32 x 2 at 28672 x 4096,
-    16 x 4 split 4 at 4096 x 14336. 128-row programs and 8 words per thread were 10-29% slower;
-    a third prefetched step (tried, not kept) ranged from 6% faster to 29% slower."""
+    K steps: the fastest configuration of bench_nvfp4.py --sweep at M = 1 on each Llama-3.1-8B
+    shape."""
     wpt = words_per_thread or (4 if k % 128 == 0 else 2)
     step = 32 * wpt
     num_warps = num_warps or 4
@@ -530,7 +514,7 @@ def decode_matmul(x: torch.Tensor, w, out: torch.Tensor, config: dict | None = N
     m, k = x.shape
     n = w.shape[0]
     if config is None:
-        config = (swiglu_config if swiglu else decode_config)(m, n, k, _sm_count(x.device))
+        config = (swiglu_config if swiglu else decode_config)(m, n, k, sm_count(x.device))
     cfg = dict(config, TILED=w.tiled, SWIGLU=swiglu)
     if w.tiled and cfg["WPT"] < 4:
         raise ValueError("a tiled NVFP4 weight needs 4 or 8 words per thread and step")
@@ -551,8 +535,7 @@ def decode_matmul(x: torch.Tensor, w, out: torch.Tensor, config: dict | None = N
 def swiglu_config(m: int, n: int, k: int, sm_count: int) -> dict:
     """decode_config's tiling for the SwiGLU epilogue, which needs an even number of 16-row blocks
     per warp (gate, up): where it has one, twice the warps along K over the same rows, else twice
-    the rows. At 28672 x 4096 (32 rows x 2 K slices -> 32 x 4) the fused GEMM took 25.3 us against
-    27.1 for the GEMM and the SwiGLU kernel (26.6 with 64 x 2; H200, M = 1; BENCHMARKS.md)."""
+    the rows (the faster of the two in bench_nvfp4.py's sweep)."""
     cfg = decode_config(m, n, k, sm_count)
     wk, step = cfg["WK"], 32 * cfg["WPT"]
     if (cfg["BLOCK_N"] // (16 * (cfg["num_warps"] // wk))) % 2:
@@ -561,12 +544,3 @@ def swiglu_config(m: int, n: int, k: int, sm_count: int) -> dict:
         else:
             cfg["BLOCK_N"] *= 2
     return cfg
-
-
-_SM_COUNT: dict = {}
-
-
-def _sm_count(device) -> int:
-    if device not in _SM_COUNT:
-        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNT[device]

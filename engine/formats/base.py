@@ -1,0 +1,53 @@
+"""What every weight format's backend is: an nn.Module holding its weight as registered buffers.
+
+y = x @ W^T with W of shape [out_features, in_features]. Because the tensors are buffers,
+`.to()`, `state_dict()`, layer streaming (engine/streams/offload.py) and sharding see every byte
+without knowing the format. Each format module (engine/formats/*.py) also owns its storage,
+quantise / dequantise, the PyTorch reference, and the ordered kernel lists of its ops
+(engine/kernels/select.py).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class WeightFormat(nn.Module):
+    name = "?"
+    # "fp8": forward also takes x already quantised (float8_e4m3fn, with x_scale per row), so the
+    # kernel before it (RMSNorm, SwiGLU) can write 1 byte per element instead of a bf16 activation.
+    input_quant: str | None = None
+
+    def __init__(self, out_features: int, in_features: int):
+        super().__init__()
+        self.out_features, self.in_features = out_features, in_features
+        # {M bucket: (kernel name, config)} per op, filled by tune() when the engine starts.
+        self.tuned: dict[str, dict] = {}
+
+    @classmethod
+    def from_dense(cls, w: torch.Tensor, **kwargs) -> "WeightFormat":
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, x_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] -> [M, N]; x_scale only with input_quant (x then float8_e4m3fn)."""
+        raise NotImplementedError
+
+    def dequantize(self) -> torch.Tensor:
+        """The dense weight this backend computes with (for tests and quality reports)."""
+        raise NotImplementedError
+
+    def weight_bytes(self) -> int:
+        """Bytes a matmul reads from device memory for the weight (values, scales, metadata)."""
+        raise NotImplementedError
+
+    def swiglu_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """For a fused gate/up weight ([gate | up] rows): silu(gate) * up [M, N/2] computed in the
+        GEMM itself, or None where no kernel of this format does (the SwiGLU kernel runs after)."""
+        return None
+
+    def tune(self, tuner, m_values: list[int], swiglu: bool = False) -> None:
+        """Time this weight's candidate kernels for each M (engine start; swiglu: a fused gate/up
+        projection, whose SwiGLU epilogue is tuned too); default: nothing to tune."""
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}"

@@ -1,0 +1,115 @@
+"""Where a kernel can run: the one place that answers capability, SM count, interpreter and
+library questions for every kernel and every selection.
+
+- `capability(device)`: (major, minor) of a CUDA device, None for the CPU. Tests fake it with
+  `fake_capability((10, 0))` to check what a Blackwell GPU would select.
+- `interpreting()`: Triton's interpreter (TRITON_INTERPRET=1) runs the Triton kernels on the CPU;
+  inline PTX, Gluon and CuTe DSL cannot run there.
+- `triton_runs(t)`: whether Triton kernels can serve tensor t (CUDA, or the interpreter).
+- `jit(fn)`: triton.jit where Triton is installed, else fn unchanged, so a module of kernels imports
+  on a machine without Triton and its references still run.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+
+import torch
+
+try:
+    import triton
+except ImportError:  # no Triton: every op runs its reference
+    triton = None
+
+_fake_capability: tuple[int, int] | None = None
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def jit(fn=None, **options):
+    """triton.jit(fn, **options), or fn itself where Triton is missing."""
+    if fn is None:
+        return lambda f: jit(f, **options)
+    return triton.jit(fn, **options) if triton is not None else fn
+
+
+def triton_runs(t: torch.Tensor) -> bool:
+    return triton is not None and (t.is_cuda or interpreting())
+
+
+def capability(device: torch.device | str | int | None) -> tuple[int, int] | None:
+    """The CUDA compute capability of `device`, or None for a CPU device (or fake_capability's)."""
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cpu")
+    if device.type != "cuda":
+        return None
+    if _fake_capability is not None:
+        return _fake_capability
+    return _real_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _real_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+@contextlib.contextmanager
+def fake_capability(cap: tuple[int, int]):
+    """Every CUDA device reports `cap` inside the block (selection tests on a CPU machine)."""
+    global _fake_capability
+    old, _fake_capability = _fake_capability, cap
+    try:
+        yield
+    finally:
+        _fake_capability = old
+
+
+def arch_name(cap: tuple[int, int] | None) -> str:
+    return "cpu" if cap is None else f"sm_{cap[0]}{cap[1]}"
+
+
+def sm_count(device: torch.device) -> int:
+    """SMs of a CUDA device; a small fixed count elsewhere (the interpreter's grid sizing)."""
+    if device.type != "cuda" or interpreting():
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.cache
+def cute_available() -> bool:
+    """Whether nvidia-cutlass-dsl (CuTe DSL) is installed; optional on CPU-only machines."""
+    return importlib.util.find_spec("cutlass") is not None
+
+
+@functools.cache
+def torchao_sparse_fp8_available() -> bool:
+    try:
+        import torchao.ops as ops
+        return hasattr(ops, "rowwise_scaled_linear_sparse_cutlass_f8f8")
+    except ImportError:
+        return False
+
+
+def library_versions() -> dict[str, str]:
+    """Versions that change what a kernel compiles to: part of every tuning-cache key."""
+    versions = {"torch": torch.__version__, "triton": getattr(triton, "__version__", "none")}
+    try:
+        from importlib.metadata import version
+        versions["cutlass_dsl"] = version("nvidia-cutlass-dsl")
+    except Exception:  # not installed
+        versions["cutlass_dsl"] = "none"
+    return versions
+
+
+def device_name(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "cpu"
+    return torch.cuda.get_device_name(device)

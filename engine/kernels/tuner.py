@@ -1,0 +1,122 @@
+"""The one tuner: times an op's candidate (kernel, config) pairs once, before serving, and
+remembers the winner on disk.
+
+`Tuner.best(problem, candidates)` returns the (kernel name, config) to run `problem`'s M bucket:
+from the cache where an entry matches, else by timing every candidate (CUDA-graph replays, L2
+evicted before each, the median of 20; the three fastest timed again and ranked by the mean of
+both timings, since one timing picked the slower of two configs 1-3 us apart), then saved.
+
+The cache is one JSON file, `$MICROENGINE_CACHE_DIR/tuning.json` (default
+`~/.cache/microengine/tuning.json`). An entry's key holds the device name, the torch / Triton /
+CuTe DSL versions, the op, N, K, the M bucket and the op's detail: a new driver stack or another
+GPU never reuses a stale winner. A file that cannot be read is ignored with a warning and
+rewritten on the next save.
+
+The engine tunes when it starts (Engine.__init__, before graph capture), for the M buckets it will
+run; nothing times, synchronises or captures once serving has begun. `enabled=False` (`--tune
+off`) times nothing and leaves every op on its list's defaults; cached entries are still used.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from engine.kernels.platform import device_name, library_versions
+from engine.kernels.select import Problem, m_bucket
+
+log = logging.getLogger("microengine.kernels")
+
+
+def default_cache_path() -> Path:
+    root = os.environ.get("MICROENGINE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "microengine")
+    return Path(root) / "tuning.json"
+
+
+def graph_time_ms(fn: Callable[[], object]) -> float:
+    """Median ms of fn replayed in a CUDA graph (how decode runs), eager where it cannot be
+    captured; inf for a configuration the compiler or the GPU rejects."""
+    from triton.testing import do_bench
+    try:
+        fn()  # compile and allocate outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return do_bench(graph.replay, warmup=5, rep=20, return_mode="median")
+    except Exception:  # not capturable here: time it eagerly
+        torch.cuda.synchronize()
+    try:
+        return do_bench(fn, warmup=5, rep=20, return_mode="median")
+    except Exception:
+        return float("inf")
+
+
+class Tuner:
+    def __init__(self, path: str | Path | None = None, enabled: bool = True,
+                 timer: Callable[[Callable], float] = graph_time_ms):
+        self.path = Path(path) if path is not None else default_cache_path()
+        self.enabled = enabled
+        self.timer = timer
+        self.entries = self._read()
+        self.timed = 0      # candidates timed by this tuner (0 when everything came from the cache)
+
+    def _read(self) -> dict:
+        if not self.path.exists():
+            return {}
+        try:
+            data = json.loads(self.path.read_text())
+            if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
+                raise ValueError("no 'entries' object")
+            return data["entries"]
+        except (OSError, ValueError) as e:
+            warnings.warn(f"tuning cache {self.path} is unreadable ({e}); ignoring it", RuntimeWarning)
+            return {}
+
+    def save(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"entries": self.entries}, indent=1, sort_keys=True))
+            tmp.replace(self.path)
+        except OSError as e:  # a read-only home: tuning still applies to this run
+            log.warning("could not write the tuning cache %s: %s", self.path, e)
+
+    @staticmethod
+    def key(problem: Problem) -> str:
+        return json.dumps({"device": device_name(problem.device), **library_versions(), "op": problem.op,
+                           "n": problem.n, "k": problem.k, "m_bucket": m_bucket(problem.m),
+                           "detail": [str(d) for d in problem.detail]}, sort_keys=True)
+
+    def best(self, problem: Problem, candidates: list[tuple[str, object, Callable[[], object]]]):
+        """(kernel name, config) for problem's M bucket; candidates: (name, config, run) with run()
+        launching that candidate once on sample operands. None where nothing is cached and tuning
+        is off or there is nothing to choose."""
+        entry = self.entries.get(self.key(problem))
+        names = {(name, _hashable(config)) for name, config, _ in candidates}
+        if entry is not None and (entry["kernel"], _hashable(entry["config"])) in names:
+            return entry["kernel"], _hashable(entry["config"])
+        if not self.enabled or len(candidates) < 2:
+            return None
+        times = {}
+        for i, (_, _, run) in enumerate(candidates):
+            times[i] = self.timer(run)
+        for i in sorted(times, key=times.get)[:3]:
+            times[i] = (times[i] + self.timer(candidates[i][2])) / 2
+        self.timed += len(candidates) + min(3, len(candidates))
+        best = min(times, key=times.get)
+        name, config, _ = candidates[best]
+        self.entries[self.key(problem)] = {"kernel": name, "config": config, "ms": times[best]}
+        return name, _hashable(config)
+
+
+def _hashable(config):
+    """JSON gives lists back: configs are compared and cached as tuples."""
+    if isinstance(config, list):
+        return tuple(_hashable(c) for c in config)
+    return config
