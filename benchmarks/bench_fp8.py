@@ -2,6 +2,12 @@
 
     python benchmarks/bench_fp8.py [--m 1,16,128,1024,8192] [--sweep] [--passes 7 [--swizzles 1,4,16] [--promotes 1,2,4]]
 
+"ours" is the kernel the FP8 format selects for the shape (engine/formats/fp8.py FP8_GEMM through
+engine/kernels/select.py; its name is in the "kernel" column): on sm_90 the Triton weight-streaming
+kernel at M <= 16 (engine/kernels/fp8_triton.py) and the CuTe DSL WGMMA kernel above
+(engine/kernels/cute/fp8_gemm_sm90.py). The accuracy table, --sweep and --passes call the sm90
+kernel directly and run on sm_90 only.
+
 --sweep also times every tile of the sm90 kernel in both accumulation modes at M = 1024 and 8192
 (what the tile heuristic in fp8_gemm_sm90.choose_tile is checked against).
 
@@ -31,7 +37,10 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 from benchmarks.timing import time_graph  # noqa: E402
-from engine.kernels import fp8  # noqa: E402
+from engine.formats import fp8  # noqa: E402
+from engine.kernels import fp8_triton  # noqa: E402
+from engine.kernels.platform import capability  # noqa: E402
+from engine.kernels.select import Problem, select  # noqa: E402
 
 SHAPES = [(6144, 4096), (28672, 4096), (4096, 14336)]  # (N, K): qkv, gate+up, down
 L2_BYTES = 50 * 2**20
@@ -80,7 +89,7 @@ def make_sets(m, n, k, per_set_weight_bytes):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         qx, xs = fp8.quantize_act_fp8(x)
-        qw, ws = fp8.quantize_weight_fp8(w)
+        qw, ws = fp8.quantize_rows_fp8(w)
         sets.append(dict(x=x, w=w, qx=qx, xs=xs, qw=qw, ws=ws))
     return sets
 
@@ -91,16 +100,25 @@ def cublas_fp8(s, fast_accum=False):
                             use_fast_accum=fast_accum)
 
 
+def selected(m, n, k):
+    """The FP8 GEMM kernel (and config) the format selects for M x N x K on this GPU."""
+    return select(fp8.FP8_GEMM, Problem("fp8_gemm", m, n, k, torch.device("cuda")))
+
+
 def ours(s, fast_accum=False):
-    if s["qx"].shape[0] <= fp8.SMALL_M:
-        return fp8.fp8_gemm_small_m(s["qx"], s["xs"], s["qw"], s["ws"])
-    from engine.kernels.cute.fp8_gemm_sm90 import fp8_gemm_sm90
-    return fp8_gemm_sm90(s["qx"], s["xs"], s["qw"], s["ws"], fast_accum=fast_accum)
+    """The selected kernel on pre-quantised operands; fast_accum: the sm90 kernel without promotion."""
+    if fast_accum:
+        from engine.kernels.cute.fp8_gemm_sm90 import fp8_gemm_sm90
+        return fp8_gemm_sm90(s["qx"], s["xs"], s["qw"], s["ws"], fast_accum=True)
+    (m, k), n = s["qx"].shape, s["qw"].shape[0]
+    choice = selected(m, n, k)
+    return choice.kernel.run(s["qx"], s["xs"], s["qw"], s["ws"], None, torch.bfloat16, config=choice.config)
 
 
 def accuracy_table(rowwise, promotes=()):
     from engine.kernels.cute.fp8_gemm_sm90 import TILE_K, fp8_gemm_sm90
-    print("\n| N x K | M | ours | ours fast_accum | cuBLAS fp8 | cuBLAS fp8 fast_accum | cuBLAS bf16 | "
+    print("\nsm90 kernel accuracy (relative error against float64)")
+    print("| N x K | M | ours | ours fast_accum | cuBLAS fp8 | cuBLAS fp8 fast_accum | cuBLAS bf16 | "
           + "".join(f"ours, promote every {p} | " for p in promotes))
     print("|---|---|---|---|---|---|---|" + "---|" * len(promotes))
     for n, k in SHAPES:
@@ -112,7 +130,7 @@ def accuracy_table(rowwise, promotes=()):
 
         def err(out, r=ref):
             return ((out.double() - r).norm() / r.norm()).item()
-        cells = [err(ours(s)), err(ours(s, fast_accum=True))]
+        cells = [err(fp8_gemm_sm90(s["qx"], s["xs"], s["qw"], s["ws"])), err(ours(s, fast_accum=True))]
         if rowwise:
             cells += [err(torch._scaled_mm(s["qx"], s["qw"].t(), sa, sb, out_dtype=torch.bfloat16,
                                            use_fast_accum=fast)) for fast in (False, True)]
@@ -198,9 +216,9 @@ def ints(csv: str) -> list[int]:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--m", default="1,16,128,1024,8192")
-    ap.add_argument("--sweep", action="store_true")
+    ap = argparse.ArgumentParser(description="FP8 GEMM kernels vs cuBLAS fp8 / bf16 at Llama-3.1-8B shapes")
+    ap.add_argument("--m", default="1,16,128,1024,8192", help="token counts M, comma-separated")
+    ap.add_argument("--sweep", action="store_true", help="time every sm90 tile in both accumulation modes")
     ap.add_argument("--passes", type=int, default=0,
                     help="then time ours and cuBLAS fp8 alternately this many times at M >= 1024")
     ap.add_argument("--swizzles", default="",
@@ -215,6 +233,7 @@ def main():
     print(f"ceilings: HBM copy {copy_gbs:.0f} GB/s (read+write), read {read_gbs:.0f} GB/s, cuBLAS bf16 {bf16_peak:.0f} TFLOP/s, "
           f"cuBLAS fp8 {fp8_peak:.0f} TFLOP/s (8192^3)")
     rowwise = scaled_mm_rowwise_supported()
+    sm90 = capability(torch.device("cuda"))[0] == 9
     print(f"torch._scaled_mm scales: {'rowwise (per token x per channel)' if rowwise else 'tensorwise'}")
 
     rows = []
@@ -233,12 +252,13 @@ def main():
                 "cublas_fp8": cublas,
                 "cublas_bf16": lambda s: torch.matmul(s["x"], s["w"].t()),
             }
-            if m > fp8.SMALL_M and rowwise:
+            kernel = selected(m, n, k).kernel.name
+            if kernel == "cute_wgmma_sm90" and rowwise:
                 variants["ours_fast"] = lambda s: ours(s, fast_accum=True)
                 variants["cublas_fp8_fast"] = lambda s: cublas_fp8(s, fast_accum=True)
             flops = 2 * m * n * k
             t = {name: time_graph(fn, sets) for name, fn in variants.items()}
-            row = dict(n=n, k=k, m=m, kernel="small_m" if m <= fp8.SMALL_M else "sm90")
+            row = dict(n=n, k=k, m=m, kernel=kernel)
             for name, sec in t.items():
                 wbytes = n * k * (2 if name == "cublas_bf16" else 1)
                 row[name] = (sec * 1e6, flops / sec / 1e12, wbytes / sec / 1e9)
@@ -266,16 +286,16 @@ def main():
         print(line)
     print(f"\nceilings: HBM copy {copy_gbs:.0f} GB/s (read+write), read {read_gbs:.0f} GB/s; bf16 {bf16_peak:.0f} TFLOP/s; "
           f"fp8 {fp8_peak:.0f} TFLOP/s. 'vs' columns are speedups (time ratio, >1 = ours faster)")
-    small = [r for r in rows if r["m"] <= fp8.SMALL_M]
+    small = [r for r in rows if r["kernel"] == "triton_stream"]
     if small:
-        print("\nM <= 16: bytes moved (weight + activation + scales + output) per second, against the copy "
-              "bandwidth of this run\n")
+        print("\nTriton weight-streaming kernel (M <= 16): bytes moved (weight + activation + scales + output) "
+              "per second, against the copy bandwidth of this run\n")
         print("| N x K | M | kernel config | MB | ours us | GB/s | of copy | cuBLAS fp8 us | GB/s | of copy "
               "| cuBLAS bf16 us | GB/s | of copy | vs fp8 | vs bf16 |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in small:
             n, k, m = r["n"], r["k"], r["m"]
-            cfg = fp8.small_m_config(n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+            cfg = fp8_triton.small_m_config(n, k, torch.cuda.get_device_properties(0).multi_processor_count)
             fp8_bytes = n * k + m * k + 4 * (m + n) + 2 * m * n
             bf16_bytes = 2 * n * k + 2 * m * k + 2 * m * n
             cells = []
@@ -285,7 +305,11 @@ def main():
             print(f"| {n} x {k} | {m} | {cfg['BLOCK_N']}x{cfg['BLOCK_K']}, split {cfg['SPLIT_K']}, "
                   f"{cfg['num_stages']} stages | {fp8_bytes / 1e6:.1f} | " + " | ".join(cells)
                   + f" | {r['cublas_fp8'][0] / r['ours'][0]:.2f}x | {r['cublas_bf16'][0] / r['ours'][0]:.2f}x |")
-    if any(m > fp8.SMALL_M for m in ms):  # the sm90 kernel's accuracy (M = 1024)
+    if not sm90:
+        if args.sweep or args.passes:
+            print("\n--sweep and --passes time the sm90 kernel: not run on this GPU")
+        return
+    if any(m > fp8_triton.SMALL_M for m in ms):  # the sm90 kernel's accuracy (M = 1024)
         accuracy_table(rowwise, ints(args.promotes))
     if args.sweep:
         tile_sweep()

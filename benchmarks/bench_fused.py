@@ -11,10 +11,9 @@ per layer per token (counted, not timed), and a small sweep of launch configurat
     python benchmarks/bench_fused.py --check    # correctness checks only
 
 Times are medians of benchmarks/timing.py `cold_ms`: L2 is evicted by reading 256 MB before every
-timed call, so inputs come from HBM, not L2. (Until 2026-11-22 this used triton.testing.do_bench,
-whose writing flush also charged each call the write-back of its dirty lines.) The events bracket
-the Python launch too: at 1 and 64 tokens the times are launch-bound (host launch cost included),
-not a measure of the kernels.
+timed call, so inputs come from HBM, not L2 (a read, not triton.testing.do_bench's writing flush,
+whose write-back of dirty lines no real call pays). The events bracket the Python launch too: at 1
+and 64 tokens the times are launch-bound (host launch cost included), not a measure of the kernels.
 """
 from __future__ import annotations
 
@@ -331,7 +330,7 @@ def measure_recompute_savings(copy_gbs, m=8192):
     The time saved, times the copy bandwidth, is the traffic the store path adds; the count of the
     bytes it must add sits beside it. (The RoPE table row, 512 B per token per layer against 20 KB
     of q/k traffic, is below the timing noise: counted only.)"""
-    from engine.kernels.fp8 import quantize_act_fp8
+    from engine.formats.fp8 import quantize_act_fp8
     print(f"\n## recompute instead of store, measured ({m} tokens; medians after an L2 eviction by reading)\n")
     print("| path | fused us | store path us | saved us | saved x copy BW | counted bytes |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")

@@ -1,23 +1,27 @@
-"""NVFP4 weights on Hopper vs bf16 cuBLAS (and fp8 torch._scaled_mm) at Llama-3.1-8B linear shapes.
+"""NVFP4 weights vs bf16 cuBLAS (and fp8 torch._scaled_mm) at Llama-3.1-8B linear shapes.
 
-For every (N, K) and M: time of the NVFP4 kernels (M <= 16: the Gluon decode kernel, mma.sync on
-fragments loaded straight into registers, and the Triton decode kernel, WGMMA, side by side, and
-the Triton tile kernel; larger M: the Triton tile kernel; CuTe DSL sm90, decoded into shared
-memory for WGMMA), of dequantise-to-bf16 + cuBLAS, of bf16 cuBLAS and of fp8 _scaled_mm; the
-bytes each must move (weights as stored, activations, output) and the achieved GB/s as a fraction
-of the HBM copy bandwidth measured in the same run; TFLOP/s next to bf16 cuBLAS at 8192^3,
-measured here too.
+For every (N, K) and M: the time of the NVFP4 GEMM the engine selects (engine/formats/nvfp4.py
+`nvfp4_linear`, named by the kernel it picks) and of each candidate kernel called directly: the
+Gluon decode kernel (M <= 16; mma.sync on fragments loaded straight into registers,
+engine/kernels/nvfp4_gluon.py `decode_matmul`), the Triton decode kernel (M <= 128; WGMMA,
+engine/kernels/nvfp4_triton.py `decode_gemm`) and dequantise-to-bf16 + cuBLAS; next to bf16
+cuBLAS and fp8 _scaled_mm. Reported: the bytes each must move (weights as stored, activations,
+output), the achieved GB/s as a fraction of the HBM copy bandwidth measured in the same run, and
+TFLOP/s next to bf16 cuBLAS at 8192^3, measured here too. Every result is checked against a
+float64 reference before it is timed.
 
-The NVFP4 Triton and Gluon kernels read the weight in 16-row x 128-K tiles, as the engine stores
-it on CUDA (engine/kernels/nvfp4.py); with --decode the Gluon decode kernel is also timed on the
-row-major order ("Gluon decode, row-major"). CuTe DSL reads row-major.
+The weights are stored as the engine stores them on the device (`for_device`: 16-row x 128-K
+tiles on Hopper where the shape allows); with --decode the Gluon decode kernel is also timed on
+the row-major order ("Gluon decode, row-major").
 
 Timing: each variant is captured in a CUDA graph that calls it once per weight copy, rotating over
 enough copies to exceed 2x L2, so every call reads its weights from HBM and launch gaps vanish;
-the median of 20 replays, divided by the calls per replay. Usage: python benchmarks/bench_nvfp4.py
-[--quick] [--decode] [--sweep]: --decode times M = 1, 4 and 16 only (the two decode kernels, the
-tile kernel, bf16 cuBLAS, fp8 _scaled_mm; no CuTe DSL); --sweep also times other configurations
-of both decode kernels at M = 1 and 16.
+the median of 20 replays, divided by the calls per replay.
+
+    python benchmarks/bench_nvfp4.py [--quick] [--decode] [--sweep]
+
+--quick: one shape, M in {1, 1024}. --decode: M = 1, 4 and 16 only (no dequant+cuBLAS).
+--sweep: also times other configurations of both decode kernels at M = 1 and 16.
 """
 from __future__ import annotations
 
@@ -30,9 +34,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 from benchmarks.timing import time_graph  # noqa: E402
-from engine.kernels import nvfp4 as nv
-from engine.kernels import nvfp4_decode as dec
-from engine.kernels import nvfp4_decode_gluon as gdec
+from engine.formats import nvfp4 as nv  # noqa: E402
+from engine.kernels.select import Problem, select  # noqa: E402
 
 SHAPES = [(6144, 4096), (28672, 4096), (4096, 14336)]  # qkv, gate+up, down of Llama-3.1-8B
 MS = [1, 16, 128, 1024, 8192]
@@ -92,24 +95,26 @@ GLUON_SWEEP = [  # Gluon decode kernel: (num_warps, BLOCK_N, warps along K, word
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description="NVFP4 GEMM kernels vs bf16 cuBLAS at Llama-3.1-8B shapes")
     parser.add_argument("--quick", action="store_true", help="one shape, M in {1, 1024}")
     parser.add_argument("--decode", action="store_true",
                         help="M in {1, 4, 16}: NVFP4 kernels, cuBLAS and fp8 only")
     parser.add_argument("--sweep", action="store_true", help="time other decode-kernel configs")
     args = parser.parse_args()
+    from engine.kernels import nvfp4_gluon as gdec
+    from engine.kernels import nvfp4_triton as dec
     torch.manual_seed(0)
+    device = torch.device("cuda")
     props = torch.cuda.get_device_properties(0)
+    sms = props.multi_processor_count
     l2 = props.L2_cache_size
     copy_eager, copy_kernel = copy_bandwidth_gbs()
     copy_gbs = max(copy_eager, copy_kernel)
     peak_tflops = bf16_tflops()
-    print(f"device: {props.name}, {props.multi_processor_count} SMs, L2 {l2 >> 20} MiB; "
-          f"torch {torch.__version__}")
+    print(f"device: {props.name}, {sms} SMs, L2 {l2 >> 20} MiB; torch {torch.__version__}")
     print(f"HBM copy 1 GiB (read+write): copy_ {copy_eager:.0f} GB/s, elementwise kernel "
           f"{copy_kernel:.0f} GB/s; bf16 cuBLAS 8192^3 {peak_tflops:.0f} TFLOP/s")
-    decode_ms = [1, 4, 16]  # 4: the largest M the Gluon kernel runs in nvfp4_matmul
-    shapes, ms = (SHAPES[:1], [1, 1024]) if args.quick else (SHAPES, decode_ms if args.decode else MS)
+    shapes, ms = (SHAPES[:1], [1, 1024]) if args.quick else (SHAPES, [1, 4, 16] if args.decode else MS)
     rows, sweep_rows, gluon_sweep_rows = [], [], []
     for n, k in shapes:
         w_dense = torch.randn(n, k, device="cuda") * 0.02
@@ -122,12 +127,13 @@ def main():
         copies_b = copies_for(w_bf16.numel() * 2, l2)
         rows_q = [nv.Nvfp4Tensor(w_q.packed.clone(), w_q.block_scale.clone(), w_q.tensor_scale.clone(),
                                  w_q.shape) for _ in range(copies_q)]
-        qs = [nv.to_tiles(q) for q in rows_q] if nv.tileable(n, k) else rows_q  # the engine's storage
+        qs = [nv.for_device(q, device) for q in rows_q]  # the engine's storage
         bs = [w_bf16.clone() for _ in range(copies_b)]
         fs = [w_fp8.clone() for _ in range(copies_b)]
         dq_ref = nv.dequantize(w_q).double()
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             ref = x.double() @ dq_ref.t()
             ref_bf16 = x.double() @ w_bf16.double().t()
             act_out_bytes = m * k * 2 + m * n * 2
@@ -141,33 +147,21 @@ def main():
                 rows.append((n, k, m, variant, t_us, nbytes, gbs, gbs / copy_gbs,
                              flops / t_us / 1e6, err))
 
-            sms = props.multi_processor_count
-            if m <= dec.SMALL_M:  # both decode kernels (nvfp4_matmul picks by M), the tile kernel
+            choice = select(nv.NVFP4_GEMM, Problem("nvfp4_gemm", m, n, k, device, (x.dtype, qs[0].tiled)))
+            measure(f"nvfp4 selected ({choice.kernel.name})", lambda i: nv.nvfp4_linear(x, qs[i]), copies_q,
+                    w_q.nbytes, ref)
+            if m <= 16:
                 gluon_cfg = gdec.decode_config(m, n, k, sms)
-                measure("nvfp4 Gluon decode",
-                        lambda i: dec.nvfp4_matmul(x, qs[i], config=gluon_cfg), copies_q,
-                        w_q.nbytes, ref)
+                measure("nvfp4 Gluon decode", lambda i: gdec.decode_matmul(x, qs[i], out, gluon_cfg),
+                        copies_q, w_q.nbytes, ref)
                 if args.decode:
                     measure("nvfp4 Gluon decode, row-major",
-                            lambda i: dec.nvfp4_matmul(x, rows_q[i], config=gluon_cfg), copies_q,
+                            lambda i: gdec.decode_matmul(x, rows_q[i], out, gluon_cfg), copies_q,
                             w_q.nbytes, ref)
-                triton_cfg = dec.small_m_config(m, n, k, sms)
-                measure("nvfp4 Triton decode",
-                        lambda i: dec.nvfp4_matmul(x, qs[i], config=triton_cfg), copies_q,
-                        w_q.nbytes, ref)
-                tile_cfg = dec.matmul_config(m, n, k, sms)
-                measure("nvfp4 Triton tile",
-                        lambda i: dec.nvfp4_matmul(x, qs[i], config=tile_cfg), copies_q,
-                        w_q.nbytes, ref)
-            else:
-                measure("nvfp4 Triton", lambda i: dec.nvfp4_matmul(x, qs[i]), copies_q,
+            if m <= dec.MAX_M:
+                measure("nvfp4 Triton decode", lambda i: dec.decode_gemm(x, qs[i], out), copies_q,
                         w_q.nbytes, ref)
             if not args.decode:
-                from engine.kernels.cute.nvfp4_sm90 import nvfp4_gemm_sm90
-                measure("nvfp4 CuTe sm90",
-                        lambda i: nvfp4_gemm_sm90(x, rows_q[i].packed, rows_q[i].block_scale,
-                                                  rows_q[i].tensor_scale),
-                        copies_q, w_q.nbytes, ref)
                 measure("nvfp4 dequant+cuBLAS",
                         lambda i: F.linear(x, dec.dequantize_bf16(qs[i])), copies_q,
                         w_q.nbytes + 2 * n * k * 2, ref)
@@ -183,10 +177,10 @@ def main():
             except RuntimeError as e:  # cuBLASLt fp8 may want M % 16 == 0
                 print(f"fp8 _scaled_mm N={n} K={k} M={m}: not run ({str(e).splitlines()[0][:80]})")
             if args.sweep and m in (1, 16):
-                def sweep_point(label, cfg):
+                def sweep_point(label, gemm, cfg):
                     """A decode configuration checked, then timed: (us, fraction of copy BW)."""
-                    check(label, dec.nvfp4_matmul(x, qs[0], config=cfg), ref)
-                    t = graph_time_us(lambda i: dec.nvfp4_matmul(x, qs[i], config=cfg), copies_q)
+                    check(label, gemm(x, qs[0], out, cfg), ref)
+                    t = graph_time_us(lambda i: gemm(x, qs[i], out, cfg), copies_q)
                     return t, (w_q.nbytes + act_out_bytes) / t / 1e3 / copy_gbs
 
                 for block_n, block_k, wpt, warps, stages in SWEEP:
@@ -194,11 +188,10 @@ def main():
                         steps = k // block_k
                         if steps % split or steps < 2 * split or (qs[0].tiled and block_k % 128):
                             continue
-                        cfg = dec.small_m_config(m, n, k, props.multi_processor_count,
-                                                 block_n=block_n, block_k=block_k,
+                        cfg = dec.small_m_config(m, n, k, sms, block_n=block_n, block_k=block_k,
                                                  words_per_thread=wpt, num_warps=warps,
                                                  num_stages=stages, split_k=split)
-                        t, of_copy = sweep_point("sweep", cfg)
+                        t, of_copy = sweep_point("sweep", dec.decode_gemm, cfg)
                         sweep_rows.append((n, k, m, block_n, block_k, wpt, warps, stages, split,
                                            t, of_copy))
                 for warps, block_n, warps_k, wpt in GLUON_SWEEP:
@@ -206,10 +199,9 @@ def main():
                         k_warp = split * warps_k * 32 * wpt  # K one step covers over warps, splits
                         if k % k_warp or k // k_warp < 2 or (qs[0].tiled and wpt < 4):
                             continue
-                        cfg = gdec.decode_config(m, n, k, props.multi_processor_count,
-                                                 num_warps=warps, block_n=block_n, warps_k=warps_k,
-                                                 split_k=split, words_per_thread=wpt)
-                        t, of_copy = sweep_point("gluon sweep", cfg)
+                        cfg = gdec.decode_config(m, n, k, sms, num_warps=warps, block_n=block_n,
+                                                 warps_k=warps_k, split_k=split, words_per_thread=wpt)
+                        t, of_copy = sweep_point("gluon sweep", gdec.decode_matmul, cfg)
                         gluon_sweep_rows.append((n, k, m, warps, block_n, warps_k, wpt, split, t,
                                                  of_copy))
         qs = rows_q = bs = fs = dq_ref = None  # free the copies before the next shape
@@ -236,15 +228,18 @@ def main():
         print(f"| {n} | {k} | {m} | {variant} | {t:.1f} | {nbytes / 1e6:.1f} | {gbs:.0f} | "
               f"{frac:.0%} | {tflops:.1f} | {err:.1e} |")
     by_key = {(n, k, m, v): t for n, k, m, v, t, *_ in rows}
-    for variant in ("nvfp4 Gluon decode", "nvfp4 Gluon decode, row-major", "nvfp4 Triton decode",
-                    "nvfp4 Triton", "nvfp4 Triton tile", "nvfp4 CuTe sm90", "nvfp4 dequant+cuBLAS"):
-        if not any(key[3] == variant for key in by_key):
+    selected = {(n, k, m): v for n, k, m, v in by_key if v.startswith("nvfp4 selected")}
+    for variant in ("nvfp4 selected", "nvfp4 Gluon decode", "nvfp4 Gluon decode, row-major",
+                    "nvfp4 Triton decode", "nvfp4 dequant+cuBLAS"):
+        def key(n, k, m, variant=variant):
+            return (n, k, m, selected.get((n, k, m))) if variant == "nvfp4 selected" else (n, k, m, variant)
+        if not any(key(n, k, m) in by_key for n, k in shapes for m in ms):
             continue
         print(f"\nspeed-up of {variant} over bf16 cuBLAS")
         for n, k in shapes:
             print(f"N={n} K={k}: " + ", ".join(
-                f"M={m} {by_key[(n, k, m, 'bf16 cuBLAS')] / by_key[(n, k, m, variant)]:.2f}x"
-                for m in ms if (n, k, m, variant) in by_key))
+                f"M={m} {by_key[(n, k, m, 'bf16 cuBLAS')] / by_key[key(n, k, m)]:.2f}x"
+                for m in ms if key(n, k, m) in by_key))
 
 
 if __name__ == "__main__":

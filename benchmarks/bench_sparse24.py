@@ -1,23 +1,32 @@
 """2:4-sparse FFN vs dense, at Llama-3.1-8B FFN shapes, on one GPU in one run.
 
 Measures, in the same process: the HBM copy bandwidth and the bf16 / fp8 dense GEMM rates (the
-ceilings); then for M in {1, 16, 128, 1024, 8192} the FFN block (gate_up GEMM -> SwiGLU -> down GEMM)
-dense bf16 (cuBLAS) vs 2:4 bf16 (as the model runs it: the SwiGLU in gate_up's epilogue at decode
-sizes; also with the SwiGLU kernel after gate_up, for comparison), and FP8 dense (per-token x per-channel torch._scaled_mm) vs 2:4+FP8,
-eager and as a replayed CUDA graph; then every GEMM variant on its own. Each variant is checked
-against a float reference first. Times are medians over repetitions that each start with L2
-evicted by a read (benchmarks/timing.py `cold_ms`), so weights and activations come from HBM each
-time. (triton.testing.do_bench's writing flush charged every FFN block about 8 us of write-back.)
+ceilings); then for each M the FFN block (gate_up GEMM -> SwiGLU -> down GEMM) dense bf16 (cuBLAS)
+vs 2:4 bf16 (as the model runs it: the SwiGLU in gate_up's epilogue where the tuner picked it; also
+with the SwiGLU kernel after gate_up, for comparison), and FP8 dense (per-token x per-channel
+torch._scaled_mm) vs 2:4+FP8, eager and as a replayed CUDA graph; then every GEMM on its own: the
+kernel the format selects ("selected") and each kernel that can run the shape, called directly with
+its first configuration, next to cuBLAS and torch's semi-structured sparse tensor.
 
-    python benchmarks/bench_sparse24.py [--out results.json] [--ms 1,16,128,1024,8192]
+The 2:4 weights (engine/formats/sparse24.py) are tuned first, as the engine does when it starts:
+`tune()` with an enabled engine/kernels/tuner.py Tuner for every M measured, its cache a temporary
+file unless --tune-cache names one (a cache that already holds entries for this device is reused,
+nothing timed). The report lists each weight's `tuned` choices and the tuner's entries.
+
+Each variant is checked against a float reference first. Times are medians over repetitions that
+each start with L2 evicted by a read (benchmarks/timing.py `cold_ms`), so weights and activations
+come from HBM each time; a last table times decode-sized blocks back to back in one CUDA graph.
+
+    python benchmarks/bench_sparse24.py [--out results.json] [--ms 1,16,128,1024,8192] [--tune-cache PATH]
 """
 from __future__ import annotations
 
 import argparse
 import json
-import time
-
+import os
 import sys
+import tempfile
+import time
 
 import torch
 import torch.nn.functional as F
@@ -25,9 +34,11 @@ import torch.nn.functional as F
 # The repository root, without replacing PYTHONPATH (which on the GPU machine carries torchao).
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from engine.kernels import sparse24 as s24  # noqa: E402
-from engine.kernels.fp8 import quantize_rows_fp8  # noqa: E402
+from engine.formats import sparse24 as s24  # noqa: E402
+from engine.formats.fp8 import quantize_act_fp8, quantize_rows_fp8  # noqa: E402
+from engine.kernels.select import runnable, select  # noqa: E402
 from engine.kernels.swiglu import swiglu  # noqa: E402
+from engine.kernels.tuner import Tuner  # noqa: E402
 from timing import cold_ms, time_graph  # noqa: E402
 
 HIDDEN, FFN = 4096, 14336
@@ -89,15 +100,18 @@ def rel(out, ref):
 
 
 class Weights:
-    """One GEMM's weight in every format the benchmark compares."""
+    """One GEMM's weight in every format the benchmark compares; the 2:4 ones tuned for `ms`
+    (swiglu: a fused gate/up projection, whose SwiGLU epilogue is tuned too)."""
 
-    def __init__(self, n, k, gen):
+    def __init__(self, n, k, gen, tuner, ms, swiglu=False):
         self.n, self.k = n, k
         self.dense = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
         self.pruned = s24.prune_24(self.dense)
         self.q8, self.s8 = quantize_rows_fp8(self.dense)
         self.sp = s24.Sparse24Weight.from_dense(self.pruned)
         self.sp8 = s24.Sparse24Fp8Weight.from_dense(self.pruned)
+        self.sp.tune(tuner, ms, swiglu=swiglu)
+        self.sp8.tune(tuner, ms)
         self.q8t = self.q8.t()
         try:
             from torch.sparse import to_sparse_semi_structured
@@ -107,30 +121,36 @@ class Weights:
             self.torch_sparse = None
 
     def fp8_dense(self, x, x_scale=None):
-        q, s = (x, x_scale) if x_scale is not None else s24.quantize_act_fp8(x)
+        q, s = (x, x_scale) if x_scale is not None else quantize_act_fp8(x)
         return torch._scaled_mm(q, self.q8t, s[:, None], self.s8[None, :], out_dtype=torch.bfloat16)
 
-    def variants(self):
-        """name -> (fn, reference weight for the check, tolerance)."""
-        sp, sp8 = self.sp, self.sp8
-        v = {
-            "dense bf16 (cuBLAS)": (lambda x: F.linear(x, self.dense), self.dense, 8e-3),
-            "2:4 auto": (sp.forward, self.pruned, 8e-3),
-            "2:4 triton": (sp.decode, self.pruned, 8e-3),
-        }
-        if sp.packed is not None:
-            v["2:4 cuSPARSELt x^T view"] = (sp.prefill, self.pruned, 8e-3)
-            v["2:4 cuSPARSELt x^T copy"] = (
-                lambda x: s24.cslt_mm(sp.packed, x, self.n, contiguous_b=True), self.pruned, 8e-3)
+    def variants(self, x):
+        """name -> (fn, reference weight for the check, tolerance), for activations shaped like x:
+        the kernel each 2:4 format selects, then every kernel that can run x's M (first config)."""
+        v = {"dense bf16 (cuBLAS)": (lambda x: F.linear(x, self.dense), self.dense, 8e-3)}
+        v.update(kernel_variants("2:4", self.sp, x, self.pruned))
         if self.torch_sparse is not None:
             v["2:4 torch semi_structured"] = (lambda x: F.linear(x, self.torch_sparse), self.pruned, 8e-3)
-        w8 = sp8.dequantize()
         v["fp8 dense (_scaled_mm)"] = (self.fp8_dense, (self.q8.float() * self.s8[:, None]), 6e-2)
-        v["2:4+fp8 auto"] = (sp8.forward, w8, 6e-2)
-        v["2:4+fp8 triton (w-only)"] = (sp8.decode, w8, 8e-3)
-        if sp8.packed is not None:
-            v["2:4+fp8 torchao CUTLASS"] = (sp8.prefill, w8, 6e-2)
+        v.update(kernel_variants("2:4+fp8", self.sp8, x, self.sp8.dequantize()))
         return v
+
+
+def kernel_variants(label, weight, x, wref):
+    """`weight`'s selected kernel (weight.forward, its tuned choice) and each runnable kernel on its
+    own. torchao's kernel quantises the activations per token (a few percent of error); the others
+    take them in bf16."""
+    problem = weight._problem(weight.op, x)
+    chosen = select(weight.table, problem, weight.tuned.get(weight.op))
+    v = {f"{label} selected ({chosen.kernel.name})": (weight.forward, wref, 6e-2 if "torchao" in chosen.kernel.name
+                                                       else 8e-3)}
+    first = {}
+    for kernel, config in runnable(weight.table, problem):
+        first.setdefault(kernel.name, (kernel, config))
+    for name, (kernel, config) in first.items():
+        v[f"{label} {name}"] = (lambda x, k=kernel, c=config: k.run(x, weight, config=c), wref,
+                                6e-2 if "torchao" in name else 8e-3)
+    return v
 
 
 def ffn_blocks(w):
@@ -156,9 +176,11 @@ def ffn_blocks(w):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--ms", default="1,16,128,1024,8192")
+    ap = argparse.ArgumentParser(description="2:4-sparse FFN vs dense at Llama-3.1-8B shapes")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--ms", default="1,16,128,1024,8192", help="token counts M, comma-separated")
+    ap.add_argument("--tune-cache", default=None,
+                    help="the tuner's cache file (default: a fresh temporary file, so every run tunes)")
     args = ap.parse_args()
     ms = [int(m) for m in args.ms.split(",")]
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -169,7 +191,16 @@ def main():
     log("ceilings", {k: round(v, 2) for k, v in cl.items()})
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    w = {name: Weights(n, k, gen) for name, (n, k) in GEMMS.items()}
+    tmp = None if args.tune_cache else tempfile.TemporaryDirectory()
+    tuner = Tuner(args.tune_cache or os.path.join(tmp.name, "tuning.json"), enabled=True)
+    w = {name: Weights(n, k, gen, tuner, ms, swiglu=name == "gate_up") for name, (n, k) in GEMMS.items()}
+    tuner.save()
+    log(f"tuned: {tuner.timed} candidate timings, {len(tuner.entries)} cache entries ({tuner.path})")
+    res["tuned"] = {f"{name} {fmt_name}": {op: {str(b): list(pick) for b, pick in by_m.items()}
+                                            for op, by_m in getattr(wt, attr).tuned.items()}
+                    for name, wt in w.items() for fmt_name, attr in (("2:4", "sp"), ("2:4+fp8", "sp8"))}
+    res["tuner_entries"] = [e for e in (dict(json.loads(key), **entry) for key, entry in tuner.entries.items())
+                            if e["op"].startswith("sparse24")]
     for name, wt in w.items():
         sp, sp8 = wt.sp, wt.sp8
         log(f"{name}: cuSPARSELt bf16 {'yes' if sp.packed is not None else 'NO'}, values shared with it: "
@@ -183,7 +214,7 @@ def main():
     for m in ms:
         for name, wt in w.items():
             x = torch.randn(m, wt.k, device="cuda", dtype=torch.bfloat16)
-            for vname, (fn, wref, tol) in wt.variants().items():
+            for vname, (fn, wref, tol) in wt.variants(x).items():
                 try:
                     err = rel(fn(x), x.float() @ wref.float().t())
                 except Exception as e:
@@ -212,15 +243,10 @@ def main():
             for bname, fn in ffn_blocks(w).items():
                 ffn.setdefault(f"{m}|{bname}", {})[mode] = try_ms(lambda: fn(x), graph)
             log(f"FFN {mode} M={m}: " + ", ".join(f"{b} {fmt(ffn[f'{m}|{b}'][mode])}" for b in ffn_blocks(w)))
-        res["dispatch"] = {str(k): v for k, v in s24._PATH.items()}
-        res["tuned"] = {str(k): v for k, v in s24._TUNED.items()}
-        res["tune_times"] = {str(k): {str(c): t for c, t in v.items()} for k, v in s24.TUNE_TIMES.items()}
-        res["cslt_alg"] = {str(k): v for k, v in s24._CSLT_ALG.items()}
-        res["cslt_search_errors"] = {str(k): v for k, v in s24.CSLT_SEARCH_ERRORS.items()}
         for m in ms:
             for name, wt in w.items():
                 x = torch.randn(m, wt.k, device="cuda", dtype=torch.bfloat16)
-                for vname, (fn, _, _) in wt.variants().items():
+                for vname, (fn, _, _) in wt.variants(x).items():
                     gemm.setdefault(f"{name}|{m}|{vname}", {"eager": None, "graph": None})[mode] = try_ms(
                         lambda: fn(x), graph)
             log(f"GEMMs {mode} M={m} done")
@@ -228,17 +254,19 @@ def main():
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1)
         report(res, w, ms)
-    steady(res, w, gen, [m for m in ms if m <= 128])
+    steady(res, w, gen, tuner, [m for m in ms if m <= 128])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
 
 
-def steady(res, w, gen, ms):
+def steady(res, w, gen, tuner, ms):
     """The FFN block as a decode step runs it: many blocks back to back in one CUDA graph, each on
     its own weights (3 copies, rotated, beyond L2), so no launch gap or L2 flush is counted per
     block (`time_graph`); the table above times one block per replay after an L2 flush."""
-    copies = [w] + [{name: Weights(n, k, gen) for name, (n, k) in GEMMS.items()} for _ in range(2)]
+    # The copies share the shapes, so the tuner's cache gives them the same choices without timing.
+    copies = [w] + [{name: Weights(n, k, gen, tuner, ms, swiglu=name == "gate_up") for name, (n, k) in GEMMS.items()}
+                    for _ in range(2)]
     blocks = [ffn_blocks(c) for c in copies]
     res["steady"] = out = {}
     print("\nFFN block in steady state (graph of blocks over 3 weight copies), median us:\n")
@@ -276,13 +304,13 @@ def report(res, w, ms):
               f"{sx('dense bf16', 'fp8 dense')} | {cells[3]} | {sx('dense bf16', '2:4+fp8')} | {sx('fp8 dense', '2:4+fp8')} |")
     print("\n2:4 bf16 with the SwiGLU kernel after gate_up instead of the GEMM's SwiGLU epilogue, graph us: "
           + ", ".join(f"M={m} {fmt(res['ffn'][f'{m}|2:4 bf16, SwiGLU kernel'].get('graph'))}" for m in ms))
-    print("\nDispatch chosen by timing (kind, N, K, M bucket):", res["dispatch"])
-    print("Decode-kernel configs chosen (M bucket, N, K, x dtype, value dtype, scaled):", res["tuned"])
-    print("Decode-kernel candidates, median us:")
-    for key, times in res["tune_times"].items():
-        print(f"  {key}: " + ", ".join(f"{c} {t * 1e3:.1f}" for c, t in sorted(times.items(), key=lambda i: i[1])))
-    print("cuSPARSELt algorithms (N, K, dtype, M bucket, contiguous x^T, alpha):", res["cslt_alg"])
-    print("cuSPARSELt search errors:", res["cslt_search_errors"])
+    print("\nTuned choices per weight and op, {M bucket: [kernel, config]}:")
+    for weight, ops in res["tuned"].items():
+        print(f"  {weight}: {ops}")
+    print("Tuner entries (the winner of each op, N, K, M bucket, with its time):")
+    for e in sorted(res["tuner_entries"], key=lambda e: (e["op"], e["n"], e["k"], e["m_bucket"])):
+        print(f"  {e['op']} N={e['n']} K={e['k']} M<={e['m_bucket']}: {e['kernel']} {e['config']} "
+              f"{e['ms'] * 1e3:.1f} us")
     print("\nPer GEMM, median us (eager and CUDA graph), dense-equivalent TFLOP/s and bytes moved (weight +"
           " activations) per second, from the faster of the two, as fractions of the measured ceilings:\n")
     print("| GEMM | M | variant | us eager | us graph | TFLOP/s | %bf16 peak | weight+act GB/s | %HBM | rel err |")

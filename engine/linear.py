@@ -28,7 +28,7 @@ class Linear(nn.Module):
     def weight(self) -> torch.Tensor:
         """The dense weight, for loading; only until the layer is converted to another format."""
         if not isinstance(self.backend, DenseWeight):
-            raise AttributeError(f"the weight is stored as {self.backend.name}: use backend.dequantize()")
+            raise RuntimeError(f"the weight is stored as {self.backend.name}: use backend.dequantize()")
         return self.backend.weight
 
     @property

@@ -128,18 +128,16 @@ def test_batched_equals_alone_gpu():
 def test_fused_kernels_on_and_off_give_the_same_tokens_gpu():
     """llama-3.2-1b shapes: the fused norm/RoPE/SwiGLU kernels against their references, whole model.
     fp32, because random weights give near-flat logits whose greedy ties bf16 rounding would flip."""
-    from engine.kernels.norms import set_fused_kernels
     torch.backends.cuda.matmul.allow_tf32 = False
     gpu = LLM("llama-3.2-1b", device="cuda", dtype="fp32", kv_cache_tokens=16384, cuda_graphs=False)
     try:
         prompts = [list(range(11 + i, 11 + i + n)) for i, n in enumerate([1, 9, 64, 300])]
         p = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
         fused = [o.token_ids for o in gpu.generate(prompts, p)]
-        set_fused_kernels(False)
+        gpu.engine.model.set_fused_kernels(False)
         reference = [o.token_ids for o in gpu.generate(prompts, p)]
         assert fused == reference
     finally:
-        set_fused_kernels(True)
         gpu.shutdown(timeout=1)
 
 
@@ -187,7 +185,6 @@ def test_layers_are_placed_one_at_a_time_under_a_memory_limit(monkeypatch):
     the device, converted, and (if it streams) handed to pinned host memory before the next one is
     moved: the device never holds the whole model. Here with fp8 weights, converted per layer, the
     tokens equal those of the resident fp8 model."""
-    import engine.engine as engine_module
     from engine.streams import LayerStreamer
     kw = dict(device="cpu", dtype="fp32", weights="fp8", kv_cache_tokens=2048, max_num_batched_tokens=256,
               max_num_seqs=16)
@@ -195,17 +192,18 @@ def test_layers_are_placed_one_at_a_time_under_a_memory_limit(monkeypatch):
     p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     want, limit_gib = _resident_tokens_and_streaming_limit(kw, prompts, p)
     events = []
-    move_dense, adopt = engine_module.move_dense, LayerStreamer.adopt
+    move, adopt = torch.nn.Module.to, LayerStreamer.adopt
 
     def spy_move(module, device):
-        events.append(("move", module.self_attn.layer_idx if hasattr(module, "self_attn") else None))
-        move_dense(module, device)
+        if type(module).__name__ in ("LlamaDecoderLayer", "Embedding", "RMSNorm", "Linear"):
+            events.append(("move", module.self_attn.layer_idx if hasattr(module, "self_attn") else None))
+        return move(module, device)
 
     def spy_adopt(self, i):
         assert self.layers[i].mlp.gate_up_proj.backend.name != "dense", "adopted before conversion"
         events.append(("adopt", i))
         adopt(self, i)
-    monkeypatch.setattr(engine_module, "move_dense", spy_move)
+    monkeypatch.setattr(torch.nn.Module, "to", spy_move)
     monkeypatch.setattr(LayerStreamer, "adopt", spy_adopt)
     streamed = LLM("llama-tiny", gpu_memory_limit=limit_gib, **kw)
     try:
@@ -355,7 +353,7 @@ def test_gpu_model_larger_than_the_memory_limit_loads_and_runs_within_it():
     try:
         want = [o.token_ids for o in resident.generate(prompts, p)]
         model = resident.engine.model
-        weight_bytes = sum(t.nbytes for t in model.parameters())
+        weight_bytes = sum(t.nbytes for t in model.state_dict().values())
     finally:
         resident.shutdown(timeout=1)
     del resident, model
@@ -415,8 +413,8 @@ def test_gpu_quantised_model_paths_match_their_reference(weights, bound, monkeyp
     The FP8 bound is wider: e4m3 keeps 3 mantissa bits, so where the fused norm and the reference
     round a bf16 input differently a code moves by up to 1/8, and such flips compound over the
     layers (measured on an H200: 0.046 here, against 0.099 for the FP8 model against dense)."""
-    from engine.kernels import fp8, nvfp4
-    from engine.kernels.norms import set_fused_kernels
+    from engine.formats import fp8, nvfp4
+    from engine.kernels import select
     torch.manual_seed(0)
     prompt = torch.randint(10, 1000, (40,)).tolist()
     gpu = LLM("llama-tiny", device="cuda", dtype="bf16", weights=weights, kv_cache_tokens=4096, seed=3)
@@ -424,13 +422,14 @@ def test_gpu_quantised_model_paths_match_their_reference(weights, bound, monkeyp
         kernels = gpu.logits(prompt)
         out = gpu.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
                                                     logprobs=5))[0]
-        monkeypatch.setattr(fp8, "_kernel_for", lambda *args: "reference")
-        monkeypatch.setattr(nvfp4, "nvfp4_linear", lambda x, w, out_dtype=torch.bfloat16:
-                            nvfp4.nvfp4_linear_reference(x, w, out_dtype))
-        set_fused_kernels(False)
+        # Every quantised GEMM on its reference: each op's table left with the reference alone.
+        for table in (fp8.FP8_GEMM, nvfp4.NVFP4_GEMM):
+            for arch in table:
+                monkeypatch.setitem(table, arch, [k for k in table[arch] if k.reference])
+        monkeypatch.setattr(select, "_CHOSEN", {})
+        gpu.engine.model.set_fused_kernels(False)
         reference = gpu.logits(prompt)
     finally:
-        set_fused_kernels(True)
         gpu.shutdown(timeout=1)
     assert torch.isfinite(kernels).all()
     assert ((kernels - reference).norm() / reference.norm()).item() < bound

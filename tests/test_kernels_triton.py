@@ -16,6 +16,7 @@ import engine.kernels.attention as attention
 import engine.kernels.norms as norms
 import engine.kernels.rope as rope
 import engine.kernels.swiglu as swiglu
+from engine.kernels.platform import triton_runs
 
 pytestmark = pytest.mark.interpreter
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -333,7 +334,7 @@ def test_prefill_attention_without_cache(poisoned):
 
 def test_dispatch_takes_the_kernels():
     x = torch.randn(4, 64, device=DEVICE)
-    assert norms.triton_enabled(x)
+    assert triton_runs(x)
     w = torch.randn(64, device=DEVICE)
     assert torch.equal(norms.rms_norm(x, w, 1e-6), norms.rms_norm_triton(x, w, 1e-6))
     assert torch.equal(norms.l2_norm(x), norms.l2_norm_triton(x))
@@ -343,27 +344,26 @@ def test_dispatch_takes_the_kernels():
 
 
 def test_fused_kernels_switch():
-    """EngineConfig.fused_kernels=False: norm, SwiGLU and RoPE take their references; attention keeps
-    its kernels (its reference is a Python loop, not a baseline)."""
+    """fused=False (EngineConfig.fused_kernels=False, per model): norm, SwiGLU and RoPE take their
+    references; attention keeps its kernels (its reference is a Python loop, not a baseline)."""
     x = torch.randn(4, 64, device=DEVICE)
-    try:
-        norms.set_fused_kernels(False)
-        assert not norms.triton_enabled(x)
-        assert norms.triton_available(x)
-        q = torch.randn(3, 2, 64, device=DEVICE)
-        k = torch.randn(3, 1, 64, device=DEVICE)
-        q_out, _ = rope.apply_rope(q, k, torch.arange(3, device=DEVICE), rope.rope_inv_freq(64, 1e4).to(DEVICE))
-        assert q_out.data_ptr() != q.data_ptr()   # the reference returns new tensors
-    finally:
-        norms.set_fused_kernels(None)
-    assert norms.triton_enabled(x)
+    w = torch.randn(64, device=DEVICE)
+    assert torch.equal(norms.rms_norm(x, w, 1e-6, fused=False), norms.rms_norm_ref(x, w, 1e-6))
+    assert torch.equal(swiglu.swiglu(x, fused=False), swiglu.swiglu_ref(x))
+    q = torch.randn(3, 2, 64, device=DEVICE)
+    k = torch.randn(3, 1, 64, device=DEVICE)
+    inv_freq = rope.rope_inv_freq(64, 1e4).to(DEVICE)
+    q_out, _ = rope.apply_rope(q, k, torch.arange(3, device=DEVICE), inv_freq, fused=False)
+    assert q_out.data_ptr() != q.data_ptr()   # the reference returns new tensors
+    q_out, _ = rope.apply_rope(q, k, torch.arange(3, device=DEVICE), inv_freq)
+    assert q_out.data_ptr() == q.data_ptr()   # the kernel rotates in place
 
 
 def test_reference_path_on_cpu_without_interpreter(monkeypatch):
     """With the interpreter off, CPU tensors take the references (how the CPU engine runs)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     x = torch.randn(2, 32)
-    assert not norms.triton_enabled(x)
+    assert not triton_runs(x)
     assert torch.equal(norms.rms_norm(x, torch.ones(32), 1e-6), norms.rms_norm_ref(x, torch.ones(32), 1e-6))
 
 

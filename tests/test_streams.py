@@ -11,10 +11,8 @@ import pytest
 import torch
 
 import engine
-import engine.kernels.nvfp4
-import engine.kernels.sparse24  # noqa: F401
 from engine.batch import build_prefill_only
-from engine.linear import LinearBackend
+from engine.formats import WeightFormat
 from engine.memory import allocator
 from engine.memory.host_ring import PinnedRing
 from engine.streams import (
@@ -191,40 +189,33 @@ def test_readback_refuses_to_overwrite_an_unread_slot():
 
 # ----------------------------------------------------------------------------- weight streaming
 
-@dataclasses.dataclass
-class _Scales:
-    rows: torch.Tensor
-    pair: tuple
-
-
-class _AliasedBackend(LinearBackend):
-    """A weight format with views into one packed buffer, a dataclass, a tuple and a dict."""
+class _AliasedBackend(WeightFormat):
+    """A weight format whose buffers are views into one packed buffer, and a strided view."""
 
     def __init__(self, n, k):
-        self.packed = torch.randn(n * k + 40)
-        self.values = self.packed[40:].view(n, k)
-        self.head = self.packed[:40]
-        self.scales = _Scales(torch.rand(n) + 0.5, (torch.randn(k),))
-        self.extra = {"t": torch.randn(n)[::2]}       # a strided view
-        self.out_features, self.in_features = n, k
+        super().__init__(n, k)
+        self.register_buffer("packed", torch.randn(n * k + 40))
+        self.register_buffer("values", self.packed[40:].view(n, k))
+        self.register_buffer("head", self.packed[:40])
+        self.register_buffer("rows", torch.rand(n) + 0.5)
+        self.register_buffer("extra", torch.randn(n)[::2])       # a strided view
 
-    def forward(self, x):
-        w = self.values * self.scales.rows[:, None] + self.scales.pair[0] + self.head.sum()
-        return x @ w.t() + self.extra["t"].repeat_interleave(2)[: self.out_features]
+    def forward(self, x, x_scale=None):
+        w = self.values * self.rows[:, None] + self.head.sum()
+        return x @ w.t() + self.extra.repeat_interleave(2)[: self.out_features]
 
 
-def test_find_tensors_reaches_nested_and_aliased_tensors():
+def test_find_tensors_takes_every_buffer_once():
     b = _AliasedBackend(8, 6)
     found = find_tensors(b)
-    assert {id(t) for t in found} == {id(b.packed), id(b.values), id(b.head), id(b.scales.rows),
-                                      id(b.scales.pair[0]), id(b.extra["t"])}
+    assert [id(t) for t in found] == [id(b.packed), id(b.values), id(b.head), id(b.rows), id(b.extra)]
 
 
 def _tiny_model(formats):
     torch.manual_seed(0)
     cfg = dataclasses.replace(SHAPE_PRESETS["llama-tiny"], num_layers=len(formats))
     model = LlamaForCausalLM(cfg, device="cpu", dtype=torch.float32)
-    for p in model.parameters():
+    for p in model.state_dict(keep_vars=True).values():   # parameters and the Linears' weight buffers
         p.data.normal_(0, 0.05)
     for layer, fmt in zip(model.layers, formats):
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
@@ -419,19 +410,19 @@ def test_gpu_streamed_layers_match_resident():
     torch.manual_seed(1)
     cfg = SHAPE_PRESETS["llama-tiny"]
     model = LlamaForCausalLM(cfg, device=dev, dtype=torch.bfloat16)
-    for p in model.parameters():
+    for p in model.state_dict(keep_vars=True).values():
         p.data.normal_(0, 0.05)
     model.layers[1].mlp.gate_up_proj.convert("fp8")
     model.layers[2].mlp.down_proj.convert("nvfp4")
     model.layers[3].mlp.gate_up_proj.convert("2:4")  # at 12 tokens its decode kernels and the MMA-order
-    model.layers[3].mlp.down_proj.convert("2:4")     # metadata they read (a dict on the backend) stream too
+    model.layers[3].mlp.down_proj.convert("2:4")     # metadata they read (buffers of the backend) stream too
     batch = build_prefill_only([torch.randint(0, 1000, (n,)).tolist() for n in (9, 33, 4)], dev)
     small = build_prefill_only([torch.randint(0, 1000, (n,)).tolist() for n in (5, 3, 4)], dev)
     ref = model(batch.input_ids, batch.positions, batch).float()
     ref_small = model(small.input_ids, small.positions, small).float()
     sparse = model.layers[3].mlp.gate_up_proj.backend
-    assert sparse.meta_mma and all(any(t is m for t in find_tensors(model.layers[3]))
-                                   for m in sparse.meta_mma.values())
+    assert sparse.meta_mma_4 is not None and all(any(t is m for t in find_tensors(model.layers[3]))
+                                                 for m in (sparse.meta_mma_4, sparse.meta_mma_8))
     sizes = [layer_stream_bytes(layer) for layer in model.layers]
     plan = OffloadPlan([0], [1, 2, 3], 2 * max(sizes[1:]))
     s = StepStreams(dev)

@@ -146,7 +146,7 @@ MMA_ORDER_WPTS = (4, 8)  # the WPTs of GLUON_CONFIGS: one copy of the metadata i
 
 
 def _triton_configs(p: Problem) -> list:
-    return TRITON_CONFIGS[min(max(p.m, 16), 128)]
+    return TRITON_CONFIGS[min(max(m_bucket(p.m), 16), 128)]
 
 
 def _gluon_fits(cfg, n: int, k: int, swiglu: bool = False) -> bool:
@@ -158,7 +158,7 @@ def _gluon_fits(cfg, n: int, k: int, swiglu: bool = False) -> bool:
 
 
 def _gluon_configs(p: Problem) -> list:
-    return [c for c in GLUON_CONFIGS[p.m] if _gluon_fits(c, p.n, p.k, p.op.endswith("swiglu"))]
+    return [c for c in GLUON_CONFIGS[m_bucket(p.m)] if _gluon_fits(c, p.n, p.k, p.op.endswith("swiglu"))]
 
 
 def _gluon_check(p: Problem) -> str | None:

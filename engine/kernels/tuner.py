@@ -117,6 +117,6 @@ class Tuner:
 
 def _hashable(config):
     """JSON gives lists back: configs are compared and cached as tuples."""
-    if isinstance(config, list):
+    if isinstance(config, (list, tuple)):
         return tuple(_hashable(c) for c in config)
     return config

@@ -1,0 +1,298 @@
+"""The kernel layer's shape: one selection per op (checked per format, M and capability, with the
+capability faked), the tuner's on-disk cache, weight-format backends as modules whose tensors are
+buffers, and an import graph in which kernels stand below formats and nothing cycles."""
+import ast
+import json
+import logging
+import pathlib
+import warnings
+
+import pytest
+import torch
+
+from engine.formats import FORMATS, format_class
+from engine.formats import fp8, nvfp4, sparse24
+from engine.kernels import select
+from engine.kernels.platform import fake_capability
+from engine.kernels.select import Kernel, Problem
+from engine.kernels.tuner import Tuner
+from engine.streams.offload import find_tensors
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+CUDA = torch.device("cuda")   # never touched: the capability is faked
+
+
+@pytest.fixture(autouse=True)
+def fresh_choices():
+    select.clear_cache()
+    yield
+    select.clear_cache()
+
+
+def chosen(table, op, m, n, k, cap, detail=(), device=CUDA):
+    with fake_capability(cap):
+        return select.select(table, Problem(op, m, n, k, device, detail)).kernel.name
+
+
+# ------------------------------------------------------------------------------------ selection
+@pytest.mark.parametrize("m,n,k,want", [(1, 4096, 4096, "triton_stream"), (16, 28672, 4096, "triton_stream"),
+                                        (17, 4096, 14336, "cute_wgmma_sm90"), (8192, 6144, 4096, "cute_wgmma_sm90")])
+def test_fp8_selection_on_hopper(m, n, k, want):
+    assert chosen(fp8.FP8_GEMM, "fp8_gemm", m, n, k, (9, 0)) == want
+
+
+@pytest.mark.parametrize("m,n,k,want", [(1, 4096, 4096, "cute_tcgen05_sm100"), (300, 28672, 4096, "cute_tcgen05_sm100"),
+                                        (1, 960, 576, "triton_stream")])
+def test_fp8_selection_on_blackwell_takes_tcgen05(m, n, k, want):
+    assert chosen(fp8.FP8_GEMM, "fp8_gemm", m, n, k, (10, 0)) == want
+
+
+@pytest.mark.parametrize("cap,n", [((9, 0), 100), ((10, 0), 960), ((8, 0), 4096)])
+def test_fp8_reference_on_cuda_warns_once_with_the_reasons(cap, n):
+    """A shape no kernel takes (N not a multiple of 64 / 256), or an architecture with no FP8
+    kernels: the reference, with one warning that says why."""
+    with pytest.warns(RuntimeWarning, match="runs the PyTorch reference on CUDA"):
+        assert chosen(fp8.FP8_GEMM, "fp8_gemm", 64, n, 512, cap) == "reference"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert chosen(fp8.FP8_GEMM, "fp8_gemm", 64, n, 512, cap) == "reference"
+
+
+@pytest.mark.parametrize("m,want", [(1, "gluon_decode"), (4, "gluon_decode"), (5, "triton_decode"),
+                                    (128, "triton_decode"), (129, "dequantize_cublas"), (8192, "dequantize_cublas")])
+def test_nvfp4_selection_on_hopper(m, want):
+    assert chosen(nvfp4.NVFP4_GEMM, "nvfp4_gemm", m, 28672, 4096, (9, 0), (torch.bfloat16, True)) == want
+
+
+def test_nvfp4_selection_on_blackwell_and_elsewhere():
+    detail = (torch.bfloat16, False)
+    assert chosen(nvfp4.NVFP4_GEMM, "nvfp4_gemm", 1, 4096, 4096, (10, 0), detail) == "cute_tcgen05_sm100"
+    assert chosen(nvfp4.NVFP4_GEMM, "nvfp4_gemm", 1, 4096, 4160, (10, 0), detail) == "triton_decode"
+    assert chosen(nvfp4.NVFP4_GEMM, "nvfp4_gemm", 1, 4096, 4096, (8, 6), detail) == "triton_decode"
+    with pytest.warns(RuntimeWarning, match="takes bf16 / fp16 activations"):
+        assert chosen(nvfp4.NVFP4_GEMM, "nvfp4_gemm", 1, 4096, 4096, (9, 0), (torch.float32, True)) == "reference"
+
+
+def test_swiglu_epilogues_only_where_they_are_selected():
+    d = (torch.bfloat16, True)
+    assert chosen(nvfp4.NVFP4_SWIGLU, "nvfp4_swiglu", 1, 28672, 4096, (9, 0), d) == "gluon_decode_swiglu"
+    assert chosen(nvfp4.NVFP4_SWIGLU, "nvfp4_swiglu", 8, 28672, 4096, (9, 0), d) == "separate"
+    assert chosen(nvfp4.NVFP4_SWIGLU, "nvfp4_swiglu", 1, 28672, 4096, (10, 0), d) == "separate"
+    s = (torch.bfloat16, torch.bfloat16, True, True)
+    assert chosen(sparse24.SPARSE24_SWIGLU, "sparse24_swiglu", 1, 28672, 4096, (9, 0), s) == "gluon_sparse_mma_swiglu"
+    assert chosen(sparse24.SPARSE24_SWIGLU, "sparse24_swiglu", 16, 28672, 4096, (9, 0), s) == "separate"
+
+
+@pytest.mark.parametrize("m,detail,want", [
+    (1, (torch.bfloat16, torch.bfloat16, True, True), "gluon_sparse_mma"),
+    (16, (torch.bfloat16, torch.bfloat16, True, True), "gluon_sparse_mma"),
+    (17, (torch.bfloat16, torch.bfloat16, True, True), "cusparselt"),
+    (1, (torch.bfloat16, torch.bfloat16, True, False), "cusparselt"),
+    (1, (torch.bfloat16, torch.bfloat16, False, False), "triton_stream"),
+])
+def test_sparse24_selection_on_hopper(m, detail, want):
+    assert chosen(sparse24.SPARSE24_GEMM, "sparse24_gemm", m, 28672, 4096, (9, 0), detail) == want
+
+
+def test_sparse24_fp8_and_other_architectures():
+    lib = (torch.float8_e4m3fn, torch.bfloat16, True, False)
+    none = (torch.float8_e4m3fn, torch.bfloat16, False, False)
+    assert chosen(sparse24.SPARSE24_FP8_GEMM, "s", 1, 4096, 14336, (9, 0), lib) == "torchao_cutlass_sm90"
+    assert chosen(sparse24.SPARSE24_FP8_GEMM, "s", 1, 4096, 14336, (9, 0), none) == "triton_stream"
+    assert chosen(sparse24.SPARSE24_FP8_GEMM, "s", 1, 4096, 14336, (10, 0), lib) == "triton_stream"
+    bf16 = (torch.bfloat16, torch.bfloat16, True, False)
+    assert chosen(sparse24.SPARSE24_GEMM, "s", 1, 4096, 14336, (10, 0), bf16) == "cusparselt"
+
+
+def test_cpu_takes_the_references_without_a_warning():
+    cpu = torch.device("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert chosen(fp8.FP8_GEMM, "fp8_gemm", 1, 4096, 4096, None, device=cpu) == "reference"
+        assert chosen(nvfp4.NVFP4_GEMM, "nvfp4_gemm", 1, 64, 64, None, (torch.float32, False), cpu) == "reference"
+        assert chosen(sparse24.SPARSE24_GEMM, "s", 1, 64, 64, None, (torch.float32,) * 2 + (False, False), cpu) == "reference"
+
+
+def test_choice_logged_once_per_shape_class(caplog):
+    with caplog.at_level(logging.INFO, logger="microengine.kernels"):
+        for m in (1, 2, 2, 3, 4, 4):
+            chosen(fp8.FP8_GEMM, "fp8_gemm", m, 4096, 4096, (9, 0))
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3 and all(": triton_stream" in line for line in lines)   # buckets 1, 2, 4
+
+
+def test_tuned_choice_wins_where_it_can_run_and_nothing_runnable_raises():
+    run = lambda *a, **k: None  # noqa: E731
+    table = {"other": [Kernel("a", run, needs_cuda=False), Kernel("b", run, needs_cuda=False, max_m=8,
+                                                                  configs=lambda p: [(1,), (2,)])]}
+    p = Problem("toy", 4, 64, 64, torch.device("cpu"))
+    assert select.select(table, p).kernel.name == "a"
+    choice = select.select(table, p, tuned={4: ("b", (2,))})
+    assert (choice.kernel.name, choice.config) == ("b", (2,))
+    big = Problem("toy", 16, 64, 64, torch.device("cpu"))
+    assert select.select(table, big, tuned={16: ("b", (2,))}).kernel.name == "a"   # b takes M <= 8
+    with pytest.raises(ValueError, match="no kernel can run .* b: takes M <= 8"):
+        select.select({"other": table["other"][1:]}, big)
+
+
+# ------------------------------------------------------------------------------------ tuner
+def test_tuner_times_once_caches_on_disk_and_reuses(tmp_path):
+    path = tmp_path / "tuning.json"
+    times = {"slow": 3.0, "fast": 1.0, "mid": 2.0}
+    timed = []
+
+    def timer(fn):
+        timed.append(fn())
+        return times[timed[-1]]
+    p = Problem("toy", 3, 128, 256, torch.device("cpu"), ("bf16",))
+    candidates = [(name, (i, [i]), lambda name=name: name) for i, name in enumerate(times)]
+    tuner = Tuner(path, timer=timer)
+    assert tuner.best(p, candidates) == ("fast", (1, (1,)))
+    assert len(timed) == 3 + 3 and tuner.timed == 6
+    tuner.save()
+    entry = json.loads(path.read_text())["entries"]
+    assert len(entry) == 1 and json.loads(next(iter(entry)))["m_bucket"] == 4
+
+    def no_timer(fn):
+        raise AssertionError("a cached entry must not be timed again")
+    again = Tuner(path, timer=no_timer)
+    assert again.best(Problem("toy", 4, 128, 256, torch.device("cpu"), ("bf16",)), candidates) == ("fast", (1, (1,)))
+    # Another shape is not in the cache; with tuning off it is not timed either.
+    assert Tuner(path, enabled=False, timer=no_timer).best(Problem("toy", 4, 64, 256, torch.device("cpu")),
+                                                           candidates) is None
+
+
+def test_tuner_ignores_a_corrupt_cache_with_a_warning(tmp_path):
+    path = tmp_path / "tuning.json"
+    path.write_text("{not json")
+    with pytest.warns(RuntimeWarning, match="unreadable"):
+        tuner = Tuner(path, timer=lambda fn: 1.0)
+    assert tuner.entries == {}
+    p = Problem("toy", 1, 8, 8, torch.device("cpu"))
+    assert tuner.best(p, [("a", None, lambda: None), ("b", None, lambda: None)]) is not None
+    tuner.save()
+    assert Tuner(path).entries == tuner.entries
+
+
+def test_tuner_cache_default_location(monkeypatch, tmp_path):
+    monkeypatch.setenv("MICROENGINE_CACHE_DIR", str(tmp_path))
+    assert Tuner().path == tmp_path / "tuning.json"
+    monkeypatch.delenv("MICROENGINE_CACHE_DIR")
+    assert Tuner().path == pathlib.Path.home() / ".cache" / "microengine" / "tuning.json"
+
+
+# ------------------------------------------------------------------------------------ backends
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_backend_tensors_are_buffers_and_survive_to_state_dict_and_offload(fmt):
+    torch.manual_seed(0)
+    w = torch.randn(64, 256) * 0.05
+    backend = format_class(fmt).from_dense(w)
+    x = torch.randn(5, 256)
+    y = backend(x)
+    buffers = {id(b) for b in backend.buffers()}
+    loose = [k for k, v in vars(backend).items() if isinstance(v, torch.Tensor) and id(v) not in buffers]
+    assert not loose, f"tensors outside buffers: {loose}"
+    assert {id(t) for t in find_tensors(backend)} == buffers
+    # state_dict round trip into a backend built from other weights
+    other = format_class(fmt).from_dense(torch.randn(64, 256))
+    other.load_state_dict(backend.state_dict())
+    assert torch.equal(other(x), y)
+    # .to() moves every tensor (the meta device: no copy, and any tensor left behind would show)
+    moved = backend.to("meta")
+    assert all(b.device.type == "meta" for b in moved.buffers())
+
+
+def test_linear_moves_and_converts_as_a_module():
+    from engine.linear import Linear
+    lin = Linear(256, 64, dtype=torch.float32)
+    lin.weight.normal_()
+    assert list(lin.state_dict()) == ["backend.weight"]
+    lin.convert("fp8")
+    assert sorted(lin.state_dict()) == ["backend.qweight", "backend.scale"]
+    with pytest.raises(RuntimeError, match="stored as fp8"):
+        lin.weight  # noqa: B018
+    assert lin.to("meta").backend.qweight.device.type == "meta"
+
+
+# ------------------------------------------------------------------------------------ imports
+def _imports(path: pathlib.Path, top_level_only: bool) -> set[str]:
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+    return {f for f in found if f.split(".")[0] in ("engine", "models")}
+
+
+def _modules():
+    mods = {}
+    for path in sorted([*REPO.glob("engine/**/*.py"), *REPO.glob("models/**/*.py")]):
+        name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        mods[name.removesuffix(".__init__")] = path
+    return mods
+
+
+def test_kernels_import_nothing_above_them():
+    for name, path in _modules().items():
+        if name.startswith("engine.kernels"):
+            bad = {i for i in _imports(path, top_level_only=False)
+                   if not i.startswith("engine.kernels") or i == "engine.kernels.LinearBackend"}
+            assert not bad, f"{name} imports {bad}"
+
+
+def test_no_import_cycles():
+    """Module-level imports between engine/ and models/ modules form no cycle (a package's
+    __init__ is not counted as imported by its submodules)."""
+    mods = _modules()
+    graph = {name: {i for i in _imports(path, top_level_only=True) if i in mods and i != name}
+             for name, path in mods.items()}
+    state: dict[str, int] = {}
+
+    def visit(node, stack):
+        state[node] = 1
+        for nxt in graph[node]:
+            if state.get(nxt) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(nxt):] + [nxt]))
+            if nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+    for name in graph:
+        if name not in state:
+            visit(name, [name])
+
+
+# ------------------------------------------------------------------------------------ on the GPU
+def _rel_err(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "2:4", "2:4+fp8"])
+def test_gpu_every_selected_kernel_matches_the_format_reference(fmt, tmp_path):
+    """Each format's backend on CUDA, at every M regime of its kernel lists (tails included), tuned
+    and untuned, against the same stored values multiplied in float64 (bf16 output rounding and,
+    for fp8 activations, their e4m3 rounding aside); outputs are poisoned first by the kernels'
+    own allocations being uninitialised, and every element is checked finite."""
+    torch.manual_seed(0)
+    bound = {"fp8": 0.08, "2:4+fp8": 0.08}.get(fmt, 0.01)   # e4m3 activations: 3 mantissa bits
+    for n, k in ((1024, 512), (4096, 4096), (1536, 1152)):
+        w = (torch.randn(n, k, device="cuda") * 0.05).to(torch.bfloat16)
+        backend = format_class(fmt).from_dense(w)
+        dense = backend.dequantize().double()
+        tuned = format_class(fmt).from_dense(w)
+        tuned.tune(Tuner(tmp_path / "t.json"), [1, 16, 64, 256], swiglu=fmt.startswith("2:4"))
+        for m in (1, 3, 4, 5, 16, 17, 64, 100, 128, 129, 300, 2048):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = x.double() @ dense.t()
+            for b in (backend, tuned):
+                out = b(x)
+                assert out.shape == (m, n) and torch.isfinite(out).all()
+                assert _rel_err(out, ref) < bound, (fmt, n, k, m, b.tuned)
+            h = backend.swiglu_forward(x)
+            if h is not None:
+                g, u = ref.chunk(2, dim=-1)
+                assert _rel_err(h, torch.nn.functional.silu(g) * u) < bound, (fmt, n, k, m, "swiglu")
