@@ -8,7 +8,8 @@ import textwrap
 import pytest
 import torch
 
-from engine.kernels import fp8
+from engine.formats import fp8
+from engine.kernels import fp8_triton
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BF16_ROUNDING = 2.5e-3  # bf16 output rounding alone gives ~1.7e-3 relative (8-bit significand)
@@ -30,7 +31,7 @@ def e4m3_round_by_hand(v: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------ quantisation (CPU)
 def test_weight_quantisation_matches_hand_written_reference():
     w = torch.randn(48, 320, dtype=torch.float64) * torch.logspace(-3, 2, 48, dtype=torch.float64)[:, None]
-    qw, scale = fp8.quantize_weight_fp8(w)
+    qw, scale = fp8.quantize_rows_fp8(w)
     assert qw.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32 and scale.shape == (48,)
     amax = w.abs().amax(1).float()
     assert torch.equal(scale, amax / 448.0)
@@ -46,7 +47,7 @@ def test_weight_quantisation_matches_hand_written_reference():
 def test_per_channel_scales_saturate_each_row_at_448():
     w = torch.randn(16, 256)
     w[3] *= 1000.0
-    qw, scale = fp8.quantize_weight_fp8(w)
+    qw, scale = fp8.quantize_rows_fp8(w)
     assert torch.equal(qw.float().abs().amax(1), torch.full((16,), 448.0))
     # The scaled-up row gets its own scale; the others are untouched by it.
     assert scale[3] > 100 * scale[torch.arange(16) != 3].max()
@@ -55,7 +56,7 @@ def test_per_channel_scales_saturate_each_row_at_448():
 def test_zero_rows_get_scale_one_and_quantise_to_zero():
     w = torch.randn(8, 128)
     w[[2, 5]] = 0.0
-    qw, scale = fp8.quantize_weight_fp8(w)
+    qw, scale = fp8.quantize_rows_fp8(w)
     assert torch.equal(scale[[2, 5]], torch.ones(2))
     assert (qw[[2, 5]].float() == 0).all()
     assert torch.isfinite(fp8.dequantize_fp8(qw, scale)).all()
@@ -82,7 +83,7 @@ def test_activation_quantisation_is_per_token():
 def test_reference_is_the_product_of_dequantised_operands():
     x, w = torch.randn(7, 256), torch.randn(96, 256)
     qx, xs = fp8.quantize_act_fp8(x)
-    qw, ws = fp8.quantize_weight_fp8(w)
+    qw, ws = fp8.quantize_rows_fp8(w)
     ref64 = fp8.dequantize_fp8(qx, xs).double() @ fp8.dequantize_fp8(qw, ws).double().t()
     out = fp8.fp8_linear_reference(qx, xs, qw, ws, out_dtype=torch.float32)
     assert rel_err(out, ref64) < 1e-6
@@ -91,16 +92,17 @@ def test_reference_is_the_product_of_dequantised_operands():
 
 
 def test_fp8_linear_cpu_paths_agree():
-    x, w = torch.randn(2, 3, 128, dtype=torch.bfloat16), torch.randn(64, 128, dtype=torch.bfloat16)
-    res = torch.randn(2, 3, 64, dtype=torch.bfloat16)
-    qw, ws = fp8.quantize_weight_fp8(w)
+    # fp8_linear takes 2-D x [M, K] (callers flatten tokens).
+    x, w = torch.randn(6, 128, dtype=torch.bfloat16), torch.randn(64, 128, dtype=torch.bfloat16)
+    res = torch.randn(6, 64, dtype=torch.bfloat16)
+    qw, ws = fp8.quantize_rows_fp8(w)
     y = fp8.fp8_linear(x, qw, ws, residual=res)
-    assert y.shape == (2, 3, 64) and y.dtype == torch.bfloat16
-    qx, xs = fp8.quantize_act_fp8(x.reshape(6, 128))
-    y_pre = fp8.fp8_linear(qx.reshape(2, 3, 128), qw, ws, residual=res, x_scale=xs)
+    assert y.shape == (6, 64) and y.dtype == torch.bfloat16
+    qx, xs = fp8.quantize_act_fp8(x)
+    y_pre = fp8.fp8_linear(qx, qw, ws, residual=res, x_scale=xs)
     assert torch.equal(y, y_pre)
-    ref = fp8.fp8_linear_reference(qx, xs, qw, ws, residual=res.reshape(6, 64), out_dtype=torch.float64)
-    assert rel_err(y.reshape(6, 64), ref) < BF16_ROUNDING
+    ref = fp8.fp8_linear_reference(qx, xs, qw, ws, residual=res, out_dtype=torch.float64)
+    assert rel_err(y, ref) < BF16_ROUNDING
     with pytest.raises(ValueError, match="x_scale"):
         fp8.fp8_linear(qx, qw, ws)
 
@@ -129,15 +131,16 @@ def test_small_m_kernel_in_triton_interpreter():
     pytest.importorskip("triton")
     out = run_python("""
         import torch
-        from engine.kernels import fp8
+        from engine.formats import fp8
+        from engine.kernels import fp8_triton
         torch.manual_seed(0)
         for m, n, k, split in [(1, 64, 512, 1), (5, 128, 1024, 2), (16, 64, 576, 1), (16, 48, 1024, 4),
                                (16, 48, 1024, 4)]:
             qx, xs = fp8.quantize_rows_fp8(torch.randn(m, k))
-            qw, ws = fp8.quantize_weight_fp8(torch.randn(n, k))
+            qw, ws = fp8.quantize_rows_fp8(torch.randn(n, k))
             res = torch.randn(m, n).bfloat16()
             y = torch.full((m, n), float("nan")).bfloat16()
-            fp8.fp8_gemm_small_m(qx, xs, qw, ws, residual=res, split=split, out=y)
+            fp8_triton.fp8_gemm_small_m(qx, xs, qw, ws, residual=res, split=split, out=y)
             ref = fp8.fp8_linear_reference(qx, xs, qw, ws, residual=res, out_dtype=torch.float64)
             print(m, n, k, split, ((y.double() - ref).norm() / ref.norm()).item())
     """, {"TRITON_INTERPRET": "1"})
@@ -152,6 +155,7 @@ def test_custom_ops_have_fake_kernels():
     pytest.importorskip("cutlass")
     from torch._subclasses.fake_tensor import FakeTensorMode
     import engine.kernels.cute.fp8_gemm_sm90  # noqa: F401  (registers microengine::fp8_gemm_sm90)
+    import engine.kernels.fp8_triton  # noqa: F401  (registers microengine::fp8_gemm_small_m)
     with FakeTensorMode():
         qx = torch.empty(5, 256, dtype=torch.float8_e4m3fn, device="cuda")
         qw = torch.empty(128, 256, dtype=torch.float8_e4m3fn, device="cuda")
@@ -163,7 +167,7 @@ def test_custom_ops_have_fake_kernels():
 
 def test_small_m_split_choice():
     def tile(n, k):
-        c = fp8.small_m_config(n, k, 132)
+        c = fp8_triton.small_m_config(n, k, 132)
         return c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"], c["num_stages"]
     assert tile(28672, 4096) == (64, 256, 1, 4)   # 448 tiles: no split, 4 stages
     assert tile(6144, 4096) == (64, 256, 1, 6)    # 96 tiles: deeper pipeline, still no split
@@ -244,7 +248,7 @@ def gpu_operands(m, n, k, seed):
     x = torch.randn(m, k, device="cuda", generator=g) * (1 + 3 * torch.rand(m, 1, device="cuda", generator=g))
     w = torch.randn(n, k, device="cuda", generator=g) * 0.02
     qx, xs = fp8.quantize_act_fp8(x.bfloat16())
-    qw, ws = fp8.quantize_weight_fp8(w)
+    qw, ws = fp8.quantize_rows_fp8(w)
     return qx, xs, qw, ws
 
 
@@ -323,7 +327,7 @@ def test_sm90_every_promotion_interval():
 def test_sm90_compiles_once_for_every_m():
     from engine.kernels.cute import fp8_gemm_sm90 as sm90
     n, k = 512, 1024
-    qw, ws = fp8.quantize_weight_fp8(torch.randn(n, k, device="cuda"))
+    qw, ws = fp8.quantize_rows_fp8(torch.randn(n, k, device="cuda"))
     sm90.fp8_gemm_sm90(*fp8.quantize_act_fp8(torch.randn(40, k, device="cuda")), qw, ws, tile_mn=(64, 128))
     compiled = len(sm90._cache)
     for m in (17, 300, 1111, 5000):
@@ -349,7 +353,7 @@ def test_small_m_kernel_matches_float64(m):
         res = torch.randn(m, n, device="cuda").bfloat16() if j % 2 else None
         # Each split twice: the split-K accumulator and counters must be back at zero.
         for split in (None, 2, 2, 4, 4, 8) if k % 2048 == 0 else (None,):
-            check_kernel(lambda out: fp8.fp8_gemm_small_m(qx, xs, qw, ws, res, split=split, out=out),
+            check_kernel(lambda out: fp8_triton.fp8_gemm_small_m(qx, xs, qw, ws, res, split=split, out=out),
                          qx, xs, qw, ws, res)
 
 

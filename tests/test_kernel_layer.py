@@ -147,7 +147,7 @@ def test_tuner_times_once_caches_on_disk_and_reuses(tmp_path):
     p = Problem("toy", 3, 128, 256, torch.device("cpu"), ("bf16",))
     candidates = [(name, (i, [i]), lambda name=name: name) for i, name in enumerate(times)]
     tuner = Tuner(path, timer=timer)
-    assert tuner.best(p, candidates) == ("fast", (1, (1,)))
+    assert tuner.best(p, lambda: candidates) == ("fast", (1, (1,)))
     assert len(timed) == 3 + 3 and tuner.timed == 6
     tuner.save()
     entry = json.loads(path.read_text())["entries"]
@@ -156,10 +156,10 @@ def test_tuner_times_once_caches_on_disk_and_reuses(tmp_path):
     def no_timer(fn):
         raise AssertionError("a cached entry must not be timed again")
     again = Tuner(path, timer=no_timer)
-    assert again.best(Problem("toy", 4, 128, 256, torch.device("cpu"), ("bf16",)), candidates) == ("fast", (1, (1,)))
+    assert again.best(Problem("toy", 4, 128, 256, torch.device("cpu"), ("bf16",)), lambda: candidates) == ("fast", (1, (1,)))
     # Another shape is not in the cache; with tuning off it is not timed either.
     assert Tuner(path, enabled=False, timer=no_timer).best(Problem("toy", 4, 64, 256, torch.device("cpu")),
-                                                           candidates) is None
+                                                           lambda: candidates) is None
 
 
 def test_tuner_ignores_a_corrupt_cache_with_a_warning(tmp_path):
@@ -169,7 +169,7 @@ def test_tuner_ignores_a_corrupt_cache_with_a_warning(tmp_path):
         tuner = Tuner(path, timer=lambda fn: 1.0)
     assert tuner.entries == {}
     p = Problem("toy", 1, 8, 8, torch.device("cpu"))
-    assert tuner.best(p, [("a", None, lambda: None), ("b", None, lambda: None)]) is not None
+    assert tuner.best(p, lambda: [("a", None, lambda: None), ("b", None, lambda: None)]) is not None
     tuner.save()
     assert Tuner(path).entries == tuner.entries
 

@@ -234,26 +234,6 @@ def block_tables_for(context_lens, block_size, num_blocks):
     return tables.to(DEVICE)
 
 
-def check_write_kv(t, nkv, hd, dtype):
-    block_size = 16
-    num_blocks = t // block_size + 3
-    k_cache, v_cache = paged_cache(num_blocks, block_size, nkv, hd, dtype)
-    kv = torch.randn(t, 2 * nkv * hd + 8, device=DEVICE, dtype=dtype)   # strided views of one output
-    k = kv[:, :nkv * hd].view(t, nkv, hd)
-    v = kv[:, nkv * hd:2 * nkv * hd].view(t, nkv, hd)
-    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:t]
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    attention.write_kv_ref(k, v, k_ref, v_ref, slots)
-    attention.write_kv_triton(k, v, k_cache, v_cache, slots)
-    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t,nkv,hd", [(1, 3, 64), (40, 3, 64), (7, 2, 128)])
-def test_write_kv(t, nkv, hd, dtype):
-    check_write_kv(t, nkv, hd, dtype)
-
-
 def check_decode(context_lens, nh, nkv, hd, dtype, num_splits):
     block_size = 16
     num_blocks = sum((c + block_size - 1) // block_size for c in context_lens) + 3
@@ -395,11 +375,6 @@ def test_gpu_swiglu_llama(poisoned, m):
 @pytest.mark.parametrize("t", [1, 64, 8192])
 def test_gpu_rope_llama(t):
     check_rope(t, 32, 8, 128, torch.bfloat16, max_pos=131_072, scaling=LLAMA3_SCALING)
-
-
-@pytest.mark.gpu
-def test_gpu_write_kv_llama():
-    check_write_kv(8192, 8, 128, torch.bfloat16)
 
 
 @pytest.mark.gpu

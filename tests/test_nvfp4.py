@@ -1,6 +1,7 @@
 """NVFP4: the format against hand-computed cases, the blocked scale layout against its definition,
-the Triton kernels against the reference (interpreter on the CPU, compiled on the GPU), the CuTe
-DSL kernels compiled for their architectures, and the GPU kernels on Llama shapes."""
+the Triton kernels against the reference (interpreter on the CPU, compiled on the GPU), the kernel
+selection per architecture, the CuTe DSL kernel compiled for sm_100, and the GPU kernels on Llama
+shapes."""
 import importlib.util
 import os
 import subprocess
@@ -11,7 +12,7 @@ import torch
 
 import pytest
 
-from engine.kernels import nvfp4 as nv
+from engine.formats import nvfp4 as nv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -130,7 +131,7 @@ def test_tiled_storage_matches_its_index_definition():
     assert torch.equal(back.block_scale.view(torch.uint8), w.block_scale.view(torch.uint8))
     assert torch.equal(nv.dequantize(t), nv.dequantize(w))
     x = torch.randn(3, 384, dtype=torch.bfloat16)
-    torch.testing.assert_close(nv.nvfp4_linear_op(x, t.packed, t.block_scale, t.tensor_scale, torch.bfloat16),
+    torch.testing.assert_close(nv.nvfp4_linear_op(x, t.packed, t.block_scale, t.tensor_scale),
                                nv.nvfp4_linear_reference(x, w))
     with pytest.raises(ValueError, match="tiled storage"):
         nv.to_tiles(nv.quantize(torch.randn(40, 384)))
@@ -144,42 +145,59 @@ def test_backend_from_dense():
     assert dq.dtype == torch.bfloat16 and dq.shape == w.shape
     x = torch.randn(5, 128, dtype=torch.bfloat16)
     y = backend.forward(x)
-    ref = x.double() @ nv.dequantize(backend.weight).double().t()
+    ref = x.double() @ nv.dequantize(backend.tensor).double().t()
     assert y.dtype == torch.bfloat16 and rel_err(y, ref) < 5e-3
 
 
 def test_custom_op_matches_reference_and_passes_opcheck():
     w = nv.quantize(torch.randn(48, 64))
     x = torch.randn(3, 64, dtype=torch.bfloat16)
-    args = (x, w.packed, w.block_scale, w.tensor_scale, torch.bfloat16)
+    args = (x, w.packed, w.block_scale, w.tensor_scale)
     torch.testing.assert_close(nv.nvfp4_linear_op(*args), nv.nvfp4_linear_reference(x, w))
     # (test_schema is left out: its input-mutation check cannot compare fp8 tensors on the CPU)
     torch.library.opcheck(nv.nvfp4_linear_op, args,
                           test_utils=("test_faketensor", "test_aot_dispatch_static"))
 
 
+def test_kernel_selection_per_architecture():
+    # What nvfp4_linear runs, by architecture and M (engine/kernels/select.py), faked on the CPU:
+    # sm_90: Gluon decode to M = 4, Triton decode to 128, then decode + cuBLAS; sm_100: the CuTe DSL
+    # kernel on row-major storage where installed; fp32 activations or K % 64 only the reference.
+    from engine.kernels.platform import cute_available, fake_capability
+    from engine.kernels.select import Problem, clear_cache, select
+
+    def pick(m, n=4096, k=4096, dtype=torch.bfloat16, tiled=True, table=nv.NVFP4_GEMM, op="nvfp4_gemm",
+             device="cuda"):
+        return select(table, Problem(op, m, n, k, torch.device(device), (dtype, tiled))).kernel.name
+    clear_cache()
+    try:
+        with fake_capability((9, 0)):
+            assert [pick(m) for m in (1, 3, 4, 5, 16, 64, 128, 129, 200, 2048)] == (
+                ["gluon_decode"] * 3 + ["triton_decode"] * 4 + ["dequantize_cublas"] * 3)
+            assert pick(1, k=576, tiled=False) == "gluon_decode"
+            assert pick(1, k=576, tiled=True) == "triton_decode"  # Gluon reads tiles 128 K deep
+            with pytest.warns(RuntimeWarning, match="reference"):
+                assert pick(3, k=4000) == "reference"
+            with pytest.warns(RuntimeWarning, match="reference"):
+                assert pick(3, dtype=torch.float32) == "reference"
+            swiglu = dict(table=nv.NVFP4_SWIGLU, op="nvfp4_swiglu")
+            assert [pick(m, n=8192, **swiglu) for m in (1, 4, 5)] == ["gluon_decode_swiglu"] * 2 + ["separate"]
+        with fake_capability((10, 0)):
+            first = "cute_tcgen05_sm100" if cute_available() else "triton_decode"
+            assert pick(1, tiled=False) == first and pick(1, tiled=True) == "triton_decode"
+            assert pick(2048, tiled=False) == ("cute_tcgen05_sm100" if cute_available() else "dequantize_cublas")
+            assert pick(1, n=8192, **dict(table=nv.NVFP4_SWIGLU, op="nvfp4_swiglu")) == "separate"
+        assert pick(1, device="cpu") == "reference" and pick(2048, device="cpu") == "reference"
+    finally:
+        clear_cache()
+
+
 # --- the Triton kernels: interpreter on the CPU, compiled on the GPU ----------------------------
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("m,n,k,config", [
-    (3, 70, 128, None),
-    (1, 64, 256, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=2, num_warps=4, num_stages=1)),
-    (20, 40, 192, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=1)),
-])
-def test_triton_matmul_small(m, n, k, config):
-    from engine.kernels.nvfp4_decode import nvfp4_matmul
-    w = nv.quantize(torch.randn(n, k)).to(DEVICE)
-    x = torch.randn(m, k, device=DEVICE).bfloat16()
-    out = torch.full((m, n), float("nan"), device=DEVICE)
-    nvfp4_matmul(x, w, config=config, out=out)
-    ref = x.double() @ nv.dequantize(w).double().t()
-    assert not out.isnan().any()
-    assert rel_err(out, ref) < 1e-5
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize("m,n,k,config", [
     (1, 64, 64, None),
+    (3, 70, 128, None),  # N tail
     (16, 200, 576, None),  # K = 9 x 64, N tail
     (5, 100, 512, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, WPT=2, SPLIT_K=2, num_warps=4,
                        num_stages=1)),
@@ -189,7 +207,7 @@ def test_triton_matmul_small(m, n, k, config):
                        num_stages=1)),
     (33, 70, 256, None),  # 64-token tile, N tail
     (100, 48, 256, dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, WPT=4, SPLIT_K=1, num_warps=4,
-                        num_stages=1)),  # 128-token tile (by default only for N >= WIDE_N)
+                        num_stages=1)),  # 128-token tile
     (17, 64, 576, None),  # 32-token tile, K = 9 x 64
     (64, 100, 512, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, WPT=4, SPLIT_K=2, num_warps=4,
                         num_stages=1)),
@@ -197,13 +215,13 @@ def test_triton_matmul_small(m, n, k, config):
 def test_triton_decode_kernel_small(m, n, k, config):
     # The decode kernel's logical K order and split-K reduction, through the interpreter's
     # arithmetic decode (the PTX decode is checked against that decode below, and on the GPU).
-    from engine.kernels.nvfp4_decode import nvfp4_matmul
+    from engine.kernels.nvfp4_triton import decode_gemm
     w = nv.quantize(torch.randn(n, k) * torch.rand(n, 1))
     ref = None
     for _ in range(2):  # twice: the split-K accumulator and counters must be back at zero
         x = torch.randn(m, k).bfloat16()
         out = torch.full((m, n), float("nan"))
-        nvfp4_matmul(x, w, config=config, out=out)
+        decode_gemm(x, w, out, config)
         ref = x.double() @ nv.dequantize(w).double().t()
         assert not out.isnan().any()
         assert rel_err(out, ref) < 1e-5
@@ -259,7 +277,7 @@ def test_decode_ptx_matches_arithmetic_decode():
     # The PTX decode (modelled instruction by instruction above) against the element order the
     # interpreter path uses: register (r8, h, b) lane p of a thread's fragment holds nibble
     # h + 2b + 4p of its row's word, times the block scale x 2^-8 (bf16 exact, any e4m3 scale).
-    from engine.kernels.nvfp4_decode import _decode_ptx
+    from engine.kernels.nvfp4_triton import _decode_ptx
     ptx = _decode_ptx()
     codes = torch.arange(16, dtype=torch.uint8)
     for trial in range(64):
@@ -287,7 +305,7 @@ def test_decode_ptx_matches_arithmetic_decode():
 def test_gluon_scale_asm_every_e4m3_code():
     # The Gluon kernel's block-scale conversion: 2 (u16) or 4 (u32) e4m3 codes -> as many bf16x2
     # words, each s x 2^118 twice, exact for every finite non-negative code, subnormals included.
-    from engine.kernels.nvfp4_decode_gluon import _SCALE2_ASM, _SCALE4_ASM
+    from engine.kernels.nvfp4_gluon import _SCALE2_ASM, _SCALE4_ASM
     codes = torch.arange(0, 0x7F, dtype=torch.uint8)  # 0x7F is NaN; block scales are >= 0
     values = codes.view(torch.float8_e4m3fn).double().tolist()
     for asm, count in ((_SCALE2_ASM, 2), (_SCALE4_ASM, 4)):
@@ -304,7 +322,7 @@ def test_gluon_scale_asm_every_e4m3_code():
 def test_gluon_decode_asm_nibble_order():
     # The Gluon kernel's decode of one word: register j lane p holds nibble j + 4p, times the
     # scale (given as s x 2^118) x 2^-126 (the e2m1 bits decoded by position): value x s x 2^-8.
-    from engine.kernels.nvfp4_decode_gluon import _DECODE_ASM
+    from engine.kernels.nvfp4_gluon import _DECODE_ASM
     magnitudes = [float(v) for v in nv.E2M1_MAGNITUDES[1:]] + [2.0 ** -9, 448.0, 0.0, 0.75]
     for trial in range(64):
         word = int(torch.randint(0, 2**32, ()).item()) if trial else 0x76543210
@@ -331,13 +349,13 @@ def test_gluon_decode_kernel_compiles_for_sm90():
     # WK = 4 the warps' K slices meet once, after the loop.
     pytest.importorskip("triton.experimental.gluon.language.nvidia.ampere")
     from gluon_ptx import compile_sm90, ptx_loops
-    from engine.kernels.nvfp4_decode_gluon import nvfp4_decode_kernel
+    from engine.kernels.nvfp4_gluon import nvfp4_decode_kernel
 
     def compile_decode(k, block_n, wpt, mp, wk, split_k=1, tiled=False):
         return compile_sm90(nvfp4_decode_kernel, GLUON_ARGS, {"K": k, "BLOCK_N": block_n, "WPT": wpt,
                                                                "MP": mp, "WK": wk, "SPLIT_K": split_k,
                                                                "TILED": tiled})
-    # Row-major and tiled storage (engine/kernels/nvfp4.py) compile to the same loop.
+    # Row-major and tiled storage (engine/formats/nvfp4.py) compile to the same loop.
     for block_n, wk, mp, tiled in ((64, 1, 8, False), (16, 4, 16, False), (64, 1, 8, True),
                                    (32, 2, 16, True)):
         ptx = compile_decode(4096, block_n, 4, mp, wk, tiled=tiled)
@@ -368,29 +386,28 @@ def test_gluon_decode_kernel_compiles_for_sm90():
 @pytest.mark.interpreter
 def test_triton_kernels_read_tiled_storage():
     # Every Triton kernel on a weight stored in 16-row x 128-K tiles: the decode kernel (16-, 32-
-    # and 64-token tiles, split-K), the tile kernel, dequantisation; a 64-deep K step is refused.
-    from engine.kernels import nvfp4_decode as dec
+    # and 64-token tiles, split-K), dequantisation; a 64-deep K step is refused.
+    from engine.kernels import nvfp4_triton as dec
     for m, n, k, config in [(1, 64, 256, None), (5, 96, 512, None), (33, 80, 256, None),
                             (3, 64, 1024, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, WPT=2, SPLIT_K=4,
-                                               num_warps=4, num_stages=1)),
-                            (20, 48, 384, dec.matmul_config(20, 48, 384, 4))]:
+                                               num_warps=4, num_stages=1))]:
         w = nv.quantize(torch.randn(n, k) * torch.rand(n, 1))
         t = nv.to_tiles(w)
         for _ in range(2):
             x = torch.randn(m, k).bfloat16()
             out = torch.full((m, n), float("nan"))
-            dec.nvfp4_matmul(x, t, config=config, out=out)
+            dec.decode_gemm(x, t, out, config)
             assert not out.isnan().any()
             assert rel_err(out, x.double() @ nv.dequantize(w).double().t()) < 1e-5, (m, n, k)
         torch.testing.assert_close(dec.dequantize_bf16(t, torch.float32), nv.dequantize(w), rtol=1e-6, atol=0)
     with pytest.raises(ValueError, match="multiple of 128"):
-        dec.nvfp4_matmul(torch.randn(2, 256).bfloat16(), nv.to_tiles(nv.quantize(torch.randn(32, 256))),
-                         config=dec.small_m_config(2, 32, 256, 4, block_n=32, block_k=64))
+        dec.decode_gemm(torch.randn(2, 256).bfloat16(), nv.to_tiles(nv.quantize(torch.randn(32, 256))),
+                        torch.empty(2, 32), dec.small_m_config(2, 32, 256, 4, block_n=32, block_k=64))
 
 
 @pytest.mark.interpreter
 def test_triton_dequantize_small():
-    from engine.kernels.nvfp4_decode import dequantize_bf16
+    from engine.kernels.nvfp4_triton import dequantize_bf16
     w = nv.quantize(torch.randn(70, 320)).to(DEVICE)
     got = dequantize_bf16(w, torch.float32)
     torch.testing.assert_close(got, nv.dequantize(w), rtol=1e-6, atol=0)
@@ -431,28 +448,6 @@ def test_sm100_kernel_compiles_to_block_scaled_tcgen05():
     assert counts[".target sm_100a"] == 1, counts
 
 
-@needs_cute
-def test_sm90_kernel_compiles_to_wgmma_with_in_register_decode():
-    out = compile_in_subprocess("""
-        from engine.kernels.cute.nvfp4_sm90 import Nvfp4GemmSm90
-        for tile_m in (64, 128):
-            ptx = Nvfp4GemmSm90(tile_m, 1024, 512).compile().__ptx__
-            print(tile_m, ptx.count("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16"),
-                  ptx.count("prmt.b32"), ptx.count("mul.rn.bf16x2"), ptx.count("st.shared.v4"),
-                  ptx.count("cp.async.bulk.tensor.2d"), ptx.count(".target sm_90a"))
-    """, "sm_90a")
-    rows = [list(map(int, line.split())) for line in out.splitlines()]
-    assert [r[0] for r in rows] == [64, 128]
-    for tile_m, wgmma, prmt, bf16x2_mul, st_v4, tma, target in rows:
-        consumer_threads = 128 * (tile_m // 64)
-        words_per_thread = 64 * 128 // 4 // consumer_threads  # 4-byte words of a k-tile's weights
-        # 16 k16 WGMMAs per 256-deep k-tile; per packed word: 12 prmt, 4 scale multiplies, and its
-        # 8 values leave in one 16-byte shared store; TMA loads of x, weights and scales.
-        assert wgmma == 16 and prmt == 12 * words_per_thread, (tile_m, wgmma, prmt)
-        assert bf16x2_mul == 4 * words_per_thread and st_v4 == words_per_thread, (tile_m, st_v4)
-        assert tma >= 3 and target == 1
-
-
 # --- GPU: the Hopper kernels at Llama-3.1-8B shapes ----------------------------------------------
 
 LLAMA_NK = [(6144, 4096), (28672, 4096), (4096, 14336)]
@@ -462,28 +457,39 @@ LLAMA_NK = [(6144, 4096), (28672, 4096), (4096, 14336)]
 @pytest.mark.parametrize("tiled", [False, True])
 @pytest.mark.parametrize("n,k", LLAMA_NK)
 def test_gpu_matmul_llama_shapes(n, k, tiled):
-    from engine.kernels.nvfp4_decode import nvfp4_matmul
+    # Through nvfp4_linear (the kernel selection: Gluon decode, Triton decode, decode + cuBLAS) in
+    # bf16, and each decode kernel directly where its M range allows, into bf16 and fp32 outputs.
+    from engine.kernels.nvfp4_gluon import decode_matmul
+    from engine.kernels.nvfp4_triton import MAX_M, decode_gemm
     w = nv.quantize(torch.randn(n, k, device="cuda") * 0.02)
     dq = nv.dequantize(w).double()
     if tiled:  # the storage Nvfp4Weight keeps on CUDA
         w = nv.to_tiles(w)
     random_ms = torch.randint(2, 4001, (3,)).tolist()
-    for m in [1, 5, 16, 17, 64, 127, 1024, 4000] + random_ms:
+    for m in [1, 3, 5, 16, 17, 64, 127, 200, 1024, 2048, 4000] + random_ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         ref = x.double() @ dq.t()
-        for out_dtype, tol in ((torch.bfloat16, 5e-3), (torch.float32, 1e-5)):
-            out = torch.full((m, n), float("nan"), device="cuda", dtype=out_dtype)
-            nvfp4_matmul(x, w, out=out)
-            assert not out.isnan().any(), (m, out_dtype)
-            err = rel_err(out, ref)
-            assert err < tol, (m, out_dtype, err)
+        y = nv.nvfp4_linear(x, w)
+        assert y.dtype == torch.bfloat16 and not y.isnan().any(), m
+        err = rel_err(y, ref)
+        assert err < 5e-3, (m, "nvfp4_linear", err)
+        kernels = [("triton_decode", lambda out: decode_gemm(x, w, out))] if m <= MAX_M else []
+        if m <= 16:
+            kernels.append(("gluon_decode", lambda out: decode_matmul(x, w, out)))
+        for name, run in kernels:
+            for out_dtype, tol in ((torch.bfloat16, 5e-3), (torch.float32, 1e-5)):
+                out = torch.full((m, n), float("nan"), device="cuda", dtype=out_dtype)
+                run(out)
+                assert not out.isnan().any(), (m, name, out_dtype)
+                err = rel_err(out, ref)
+                assert err < tol, (m, name, out_dtype, err)
 
 
 @pytest.mark.gpu
 def test_gpu_decode_kernel_configs_and_tails():
     # Random N (tails) and M <= 64, every words-per-thread, split-K up to 8, each config twice (the
     # split-K accumulator must be back at zero), output poisoned first.
-    from engine.kernels.nvfp4_decode import nvfp4_matmul, small_m_config
+    from engine.kernels.nvfp4_triton import decode_gemm, small_m_config
     torch.manual_seed(1)
     for n, k, tiled in [(int(torch.randint(65, 3000, ())), 4096, False), (4096, 14336, False),
                         (300, 576, False), (16 * int(torch.randint(5, 190, ())), 4096, True),
@@ -492,8 +498,7 @@ def test_gpu_decode_kernel_configs_and_tails():
         dq = nv.dequantize(w).double()
         if tiled:
             w = nv.to_tiles(w)
-        # The Triton decode kernel by its configs (config None would pick the Gluon kernel at
-        # M <= 4 on sm_90): its defaults and four others.
+        # The Triton decode kernel by its configs: its defaults and four others.
         configs = [small_m_config(1, n, k, 132)] + [
             small_m_config(1, n, k, 132, block_n=bn, block_k=bk, words_per_thread=wpt,
                            split_k=split)
@@ -505,7 +510,7 @@ def test_gpu_decode_kernel_configs_and_tails():
             for _ in range(2):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float32)
-                nvfp4_matmul(x, w, config=config, out=out)
+                decode_gemm(x, w, out, config)
                 assert not out.isnan().any(), (n, k, m, config)
                 assert rel_err(out, x.double() @ dq.t()) < 1e-5, (n, k, m, config)
         for config in configs:
@@ -525,7 +530,7 @@ def test_gpu_gluon_decode_kernel_configs_and_tails():
     # token tiles (1..8 and 9..16), warps along rows and along K, 2, 4 or 8 words per thread and
     # step, split-K up to 4, each config twice (the split-K accumulator must be back at zero),
     # outputs poisoned first.
-    from engine.kernels.nvfp4_decode_gluon import decode_config, decode_matmul
+    from engine.kernels.nvfp4_gluon import decode_config, decode_matmul
     torch.manual_seed(2)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     # (384, 256) and (200, 64): one K step per warp (a compiled loop of no iteration).
@@ -561,7 +566,7 @@ def test_gpu_gluon_swiglu_epilogue():
     # silu(gate) * up of a fused gate/up weight in the Gluon decode kernel's epilogue: random F
     # (tails), both storage orders, warps splitting rows or K, split-K (twice: the scratch must be
     # back at zero), outputs poisoned; and through Nvfp4Weight.swiglu_forward.
-    from engine.kernels.nvfp4_decode_gluon import decode_config, decode_matmul, swiglu_config
+    from engine.kernels.nvfp4_gluon import decode_config, decode_matmul, swiglu_config
     torch.manual_seed(3)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for f, k, tiled in [(16 * int(torch.randint(3, 400, ())), 4096, True), (14336, 4096, True),
@@ -588,9 +593,9 @@ def test_gpu_gluon_swiglu_epilogue():
                     assert not out.isnan().any(), (f, k, m, config)
                     assert rel_err(out, ref) < 1e-5, (f, k, m, config)
     backend = nv.Nvfp4Weight.from_dense(torch.randn(2 * 4096, 1024, device="cuda", dtype=torch.bfloat16))
-    assert backend.weight.tiled
+    assert backend.tensor.tiled
     x = torch.randn(3, 1024, device="cuda", dtype=torch.bfloat16)
-    y = x.double() @ nv.dequantize(backend.weight).double().t()
+    y = x.double() @ nv.dequantize(backend.tensor).double().t()
     h = backend.swiglu_forward(x)
     assert h.shape == (3, 4096) and h.dtype == torch.bfloat16
     assert rel_err(h, torch.nn.functional.silu(y[:, :4096]) * y[:, 4096:]) < 5e-3
@@ -600,14 +605,14 @@ def test_gpu_gluon_swiglu_epilogue():
 @pytest.mark.gpu
 def test_gpu_decode_kernel_arithmetic_fallback(monkeypatch):
     # Where the compiled layout does not suit the PTX decode, the kernel decodes arithmetically.
-    from engine.kernels import nvfp4_decode as dec
+    from engine.kernels import nvfp4_triton as dec
     monkeypatch.setattr(dec, "_ptx_decode_layout_ok", lambda *args: False)
     for n, k in [(300, 576), (1000, 4096)]:
         w = nv.quantize(torch.randn(n, k, device="cuda") * 0.02)
         for m in (1, 16):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float32)
-            dec.nvfp4_matmul(x, w, out=out, config=dec.small_m_config(m, n, k, 132))
+            dec.decode_gemm(x, w, out, dec.small_m_config(m, n, k, 132))
             assert not out.isnan().any()
             assert rel_err(out, x.double() @ nv.dequantize(w).double().t()) < 1e-5, (n, k, m)
 
@@ -635,22 +640,7 @@ def test_gpu_tail_n_and_dispatch():
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", LLAMA_NK)
 def test_gpu_dequantize_llama_shapes(n, k):
-    from engine.kernels.nvfp4_decode import dequantize_bf16
+    from engine.kernels.nvfp4_triton import dequantize_bf16
     w = nv.quantize(torch.randn(n, k, device="cuda"))
     out = dequantize_bf16(w, torch.float32)
     torch.testing.assert_close(out, nv.dequantize(w), rtol=1e-6, atol=0)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n,k", LLAMA_NK)
-def test_gpu_cute_sm90_llama_shapes(n, k):
-    from engine.kernels.cute.nvfp4_sm90 import nvfp4_gemm_sm90
-    w = nv.quantize(torch.randn(n, k, device="cuda") * 0.02)
-    dq = nv.dequantize(w).double()
-    for m in [1, 17, 64, 65, 200, 1000, 4000] + torch.randint(2, 4001, (2,)).tolist():
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-        nvfp4_gemm_sm90(x, w.packed, w.block_scale, w.tensor_scale, out=out)
-        assert not out.isnan().any(), m
-        err = rel_err(out, x.double() @ dq.t())
-        assert err < 5e-3, (m, err)

@@ -1,5 +1,5 @@
-"""2:4 sparsity: pruning, compression, the decode Triton kernel (CPU interpreter), backends, and on
-the GPU every sparse kernel against the dense product of the pruned weights."""
+"""2:4 sparsity: pruning, compression, the Triton kernel (CPU interpreter), backends, kernel
+selection, and on the GPU every sparse kernel against the dense product of the pruned weights."""
 
 import itertools
 import re
@@ -7,10 +7,12 @@ import re
 import pytest
 import torch
 
-from engine.kernels import sparse24 as s24
-from engine.kernels.fp8 import quantize_act_fp8, quantize_rows_fp8
+from engine.formats import format_class
+from engine.formats import sparse24 as s24
+from engine.formats.fp8 import quantize_act_fp8, quantize_rows_fp8
 from engine.kernels.norms import rms_norm
-from engine.linear import BACKENDS, Linear
+from engine.kernels.select import Problem, clear_cache, m_bucket, runnable, select
+from engine.linear import Linear
 
 interpreter = pytest.mark.interpreter   # CPU tensors through the Triton interpreter
 
@@ -82,39 +84,43 @@ def test_compress_decompress_exact(dtype):
 
 # ----------------------------------------------------------------------------- Triton kernel (interpreter)
 
-def _cfg(kernel, tile):
-    """A launch tuple for the interpreter tests: (kernel, BLOCK_M) + (BLOCK_N, BLOCK_K, SPLIT_K) +
-    (warps, stages), and for the MMA kernel the groups per thread and chunk, CH."""
-    cfg = (kernel, 4 if kernel == "fma" else 16) + tile + (4, 1)
-    return cfg + (min(8, tile[1] // 16),) if kernel == "mma" else cfg
+def _cfg(tile):
+    """A launch tuple of the Triton MMA kernel for the interpreter tests: (BLOCK_M,) + (BLOCK_N,
+    BLOCK_K, SPLIT_K) + (warps, stages) + (CH groups per thread and chunk, PTX_PACK)."""
+    return (16,) + tile + (4, 1) + (min(8, tile[1] // 16), 16)
+
+
+def _mma_gemm(x, values, meta, scale, config, out=None):
+    from engine.kernels.sparse24_triton import mma_gemm
+    if out is None:
+        out = torch.empty(x.shape[0], values.shape[0], dtype=x.dtype, device=x.device)
+    return mma_gemm(x, values, meta, scale, config, out)
 
 
 @interpreter
-@pytest.mark.parametrize("kernel", ["fma", "wtile", "xsplit", "mma"])
 @pytest.mark.parametrize("m,n,k,tile", [
     (1, 48, 128, (16, 64, 1)),
     (5, 40, 200, (32, 128, 1)),  # tails in N and K
     (19, 32, 128, (16, 64, 2)),  # two M tiles, split-K
 ])
-def test_decode_kernel_interpreter(kernel, m, n, k, tile):
-    cfg = _cfg(kernel, tile)
+def test_decode_kernel_interpreter(m, n, k, tile):
+    cfg = _cfg(tile)
     w = s24.prune_24(torch.randn(n, k, dtype=torch.bfloat16))
     t = s24.compress_24(w)
     x = torch.randn(m, k, dtype=torch.bfloat16)
-    y = s24.sparse24_mm(x, t.values, t.meta, config=cfg)
+    y = _mma_gemm(x, t.values, t.meta, None, cfg)
     assert y.shape == (m, n) and y.dtype == torch.bfloat16
     assert rel_err(y, fp64_ref(x, w)) < 8e-3
 
 
 @interpreter
-@pytest.mark.parametrize("kernel", ["fma", "wtile", "xsplit", "mma"])
-def test_decode_kernel_fp8_values_interpreter(kernel):
+def test_decode_kernel_fp8_values_interpreter():
     w = s24.prune_24(torch.randn(32, 128))
     t = s24.compress_24(w)
     q, scale = quantize_rows_fp8(t.values)
     x = torch.randn(3, 128, dtype=torch.bfloat16)
-    cfg = _cfg(kernel, (16, 64, 1))
-    y = s24.sparse24_mm(x, q, t.meta, scale, config=cfg)
+    cfg = _cfg((16, 64, 1))
+    y = _mma_gemm(x, q, t.meta, scale, cfg)
     w8 = s24.decompress_24(s24.Sparse24Tensor(q, t.meta, t.shape), torch.float32) * scale[:, None]
     assert rel_err(y, fp64_ref(x, w8)) < 8e-3
 
@@ -191,7 +197,9 @@ def test_backend_forward_matches_pruned_dense(fmt):
     pruned = s24.prune_24(lin.weight.data)
     x = torch.randn(2, 3, 96, dtype=torch.bfloat16)
     lin.convert(fmt)
-    assert isinstance(lin.backend, BACKENDS[fmt]) and lin.weight.numel() == 0
+    assert isinstance(lin.backend, format_class(fmt))
+    with pytest.raises(RuntimeError, match="dequantize"):  # the dense copy is gone
+        lin.weight
     w = lin.backend.dequantize()
     assert s24.is_24_sparse(w) and torch.equal(w != 0, pruned != 0)
     assert rel_err(w, pruned) < (1e-9 if fmt == "2:4" else 0.04)  # fp8: e4m3 has a 3-bit mantissa
@@ -233,6 +241,30 @@ GPU_SHAPES = [(1, 4096, 1024), (7, 1000, 512), (16, 2048, 4096), (33, 1536, 576)
               (4097, 512, 256), (9000, 256, 512)]
 
 
+def _triton_configs(m):
+    """The Triton kernel's launch configurations for M's bucket (what the tuner times)."""
+    return s24.TRITON_CONFIGS[min(max(m_bucket(m), 16), 128)]
+
+
+def _sm90():
+    return torch.cuda.get_device_capability()[0] == 9
+
+
+def _gluon_runs(m, x, t, scale=None):
+    """Every Gluon sparse-MMA configuration of M's bucket that takes these operands (sm_90, M <= 16),
+    launched, each into its own output poisoned first: [(config, output)]."""
+    from engine.kernels import sparse24_gluon as sp
+    if not _sm90() or m > 16:
+        return []
+    results = []
+    for cfg in s24.GLUON_CONFIGS[m_bucket(m)]:
+        if sp.unsupported(x, t.values, t.meta, cfg) is not None:
+            continue
+        o = torch.full((m, t.shape[0]), float("nan"), device="cuda", dtype=torch.bfloat16)
+        results.append((cfg, sp.launch(x, t.values, sp.mma_order_meta(t.meta, cfg[3]), scale, cfg, o)))
+    return results
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 1024), (3, 2048, 1024), (7, 1000, 520), (16, 1000, 4096),
                                    (20, 768, 1032), (33, 1536, 576), (60, 1024, 1024), (130, 512, 1024)])
@@ -240,9 +272,11 @@ def test_gpu_decode_kernel_all_configs(m, n, k):
     w, x = _gpu_case(m, n, k, m * 7 + n)
     t = s24.compress_24(w)
     ref = fp64_ref(x, w)
-    metas = s24.mma_order_metas(t)
-    for cfg in s24._DECODE_CONFIGS[s24._m_bucket(m)]:
-        y = s24.sparse24_mm(x, t.values, t.meta, config=cfg, meta_mma=metas)
+    for cfg in _triton_configs(m):
+        y = _mma_gemm(x, t.values, t.meta, None, cfg)
+        torch.cuda.synchronize()
+        assert rel_err(y, ref) < 8e-3, cfg
+    for cfg, y in _gluon_runs(m, x, t):
         torch.cuda.synchronize()
         assert rel_err(y, ref) < 8e-3, cfg
 
@@ -254,10 +288,10 @@ def test_gpu_sparse_mma_kernel(m):
     # tilings on small N tails and K down to a few steps per warp, with and without a per-row
     # scale; outputs poisoned first. The metadata layout (two threads per quad, four groups of
     # both rows each, `mma_order_meta`) is what these products check.
-    from engine.kernels import sparse24_sp_gluon as sp
-    if torch.cuda.get_device_capability()[0] != 9:
+    from engine.kernels import sparse24_gluon as sp
+    if not _sm90():
         pytest.skip("sm_90 kernel")
-    bucket = [c for c in s24._DECODE_CONFIGS[s24._m_bucket(m)] if c[0] == "sp"]
+    bucket = s24.GLUON_CONFIGS[m_bucket(m)]
     others = [("sp", 16, 64, 2, 2, 8, 2), ("sp", 16, 16, 4, 1, 8, 8), ("sp", 16, 256, 8, 1, 16, 1)]
     cases = [(777, 4096, bucket, (None,)), (4096, 14336, bucket, (None,)),
              (48, 512, others, (None, "scale")), (1000, 1024, others[:1] + bucket[:1], (None, "scale"))]
@@ -274,34 +308,47 @@ def test_gpu_sparse_mma_kernel(m):
                 torch.cuda.synchronize()
                 assert not torch.isnan(out).any(), cfg
                 assert rel_err(out, ref) < 8e-3, (cfg, n, k)
-    # Through the dispatcher the candidates run the sparse kernel itself, not the fallback.
+    # Through the backend (selection) every candidate of the bucket runs the sparse kernel itself:
+    # the default and each tuned configuration select it, with the weight's MMA-order metadata.
     w, x = _gpu_case(m, 1000, 1024, 3)
-    t = s24.compress_24(w)
-    metas = s24.mma_order_metas(t)
-    for cfg in s24._SP + s24._SP8 + s24._SP16:
-        s24.sparse24_mm(x, t.values, t.meta, config=cfg, meta_mma=metas)
-    assert not [key for key in s24.GLUON_SKIPPED if key[0][0] == "sp" and key[1:4] == (m, 1000, 1024)], \
-        s24.GLUON_SKIPPED
+    b = s24.Sparse24Weight.from_dense(w)
+    assert all(getattr(b, f"meta_mma_{wpt}") is not None for wpt in s24.MMA_ORDER_WPTS)
+    ref = fp64_ref(x, w)
+    problem = b._problem(b.op, x)
+    assert select(b.table, problem).kernel is s24.GLUON_SP
+    assert rel_err(b(x), ref) < 8e-3
+    cfgs = [c for kernel, c in runnable(b.table, problem) if kernel is s24.GLUON_SP]
+    assert cfgs
+    for cfg in cfgs:
+        tuned = {m_bucket(m): ("gluon_sparse_mma", cfg)}
+        choice = select(b.table, problem, tuned)
+        assert choice.kernel is s24.GLUON_SP and choice.config == cfg
+        b.tuned = {b.op: tuned}
+        assert rel_err(b(x), ref) < 8e-3, cfg
+    b.tuned = {}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
-def test_gpu_sparse_mma_swiglu_epilogue(m):
+def test_gpu_sparse_mma_swiglu_epilogue(m, tmp_path):
     # silu(gate) * up from the GEMM's epilogue: every candidate that can run it, on the 8B gate_up
     # shape and on F = 1040 (a tail: 1040 gate rows are not a multiple of any program's 32..128),
     # against float64 of the pruned weight; outputs poisoned first. Then through the backend and
-    # Linear.swiglu, which the model calls.
-    from engine.kernels import sparse24_sp_gluon as sp
+    # Linear.swiglu, which the model calls, untuned and after tuning (the epilogue timed against
+    # the GEMM followed by the SwiGLU kernel).
+    from engine.kernels import sparse24_gluon as sp
     from engine.kernels.swiglu import swiglu_ref
-    if torch.cuda.get_device_capability()[0] != 9:
+    from engine.kernels.tuner import Tuner
+    if not _sm90():
         pytest.skip("sm_90 kernel")
+    all_cfgs = list(dict.fromkeys(c for cs in s24.GLUON_CONFIGS.values() for c in cs))
     for f, k in ((14336, 4096), (1040, 1024)):
         w, x = _gpu_case(m, 2 * f, k, 11 * m + f)
         t = s24.compress_24(w)
-        metas = s24.mma_order_metas(t)
+        metas = {wpt: sp.mma_order_meta(t.meta, wpt) for wpt in s24.MMA_ORDER_WPTS}
         y = x.double() @ w.double().t()
         ref = torch.nn.functional.silu(y[:, :f]) * y[:, f:]
-        cfgs = [c for c in s24._SP + s24._SP8 + s24._SP16 if sp.swiglu_unsupported(x, t.values, t.meta, c) is None]
+        cfgs = [c for c in all_cfgs if sp.swiglu_unsupported(x, t.values, t.meta, c) is None]
         assert len(cfgs) >= 5
         for cfg in cfgs:
             out = torch.full((m, f), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -315,22 +362,31 @@ def test_gpu_sparse_mma_swiglu_epilogue(m):
     fused = lin.swiglu(x)
     assert fused.shape == (m, f) and rel_err(fused, ref) < 8e-3
     assert rel_err(fused, swiglu_ref(lin(x))) < 8e-3  # the unfused path, GEMM then SwiGLU kernel
-    assert s24._TUNED[("swiglu", s24._m_bucket(m), 2 * f, k)][0] == "sp"
-    assert (s24._m_bucket(m), 2 * f, k) in s24._SWIGLU_FUSED  # timed against the unfused path
+    lin.backend.tune(Tuner(tmp_path / "tuning.json"), [m], swiglu=True)
+    if m <= s24.SPARSE24_SWIGLU[9][0].max_m:  # the epilogue's range: timed against the unfused path
+        pick = lin.backend.tuned["sparse24_swiglu"][m_bucket(m)]
+        assert pick[0] in ("gluon_sparse_mma_swiglu", "separate")
+    else:
+        assert m_bucket(m) not in lin.backend.tuned.get("sparse24_swiglu", {})
+    assert rel_err(lin.swiglu(x), ref) < 8e-3
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", GPU_SHAPES)
 def test_gpu_backends_all_paths(m, n, k):
+    from engine.kernels.sparse24_libs import cslt_mm
     torch.manual_seed(m + n + k)
     w, x = _gpu_case(m, n, k, m + 3 * n)
     ref = fp64_ref(x, w)
     b = s24.Sparse24Weight.from_dense(w)
     assert torch.equal(b.dequantize(), w)
-    paths = {"decode": b.decode, "auto": b.forward}
+    # Every (kernel, config) the tuner could pick for this M, the selected one, cuSPARSELt directly.
+    paths = {f"{kernel.name} {config}": (lambda x, kernel=kernel, config=config: kernel.run(x, b, config=config))
+             for kernel, config in runnable(b.table, b._problem(b.op, x))}
+    assert any(name.startswith("triton_stream") for name in paths)
+    paths["auto"] = b.forward
     if b.packed is not None:
-        paths["cslt"] = b.prefill
-        paths["cslt_contiguous_b"] = lambda x: s24.cslt_mm(b.packed, x, n, contiguous_b=True)
+        paths["cslt"] = lambda x: cslt_mm(b.packed, x)
     for name, fn in paths.items():
         y = fn(x)
         assert y.shape == (m, n), name
@@ -338,11 +394,12 @@ def test_gpu_backends_all_paths(m, n, k):
 
     f = s24.Sparse24Fp8Weight.from_dense(w)
     ref8 = fp64_ref(x, f.dequantize().float())
-    assert rel_err(f.decode(x), ref8) < 8e-3
+    assert rel_err(s24.TRITON.run(x, f, config=_triton_configs(m)[0]), ref8) < 8e-3
     assert f.packed is not None or n % 32 or k % 64, "torchao's 2:4 FP8 kernel did not load"
     if f.packed is not None:
-        # Prefill quantizes the activations to e4m3 per token as well: ~3e-2.
-        assert rel_err(f.prefill(x), ref8) < 6e-2
+        # torchao's kernel quantizes the activations to e4m3 per token as well: ~3e-2.
+        torchao = next(kern for kern in f.table[9] if kern.name == "torchao_cutlass_sm90")
+        assert rel_err(torchao.run(x, f, config=None), ref8) < 6e-2
         assert rel_err(f.forward(x), ref8) < 6e-2
         # Activations quantised upstream (the fused norm / SwiGLU kernels do it when input_quant
         # says so) give the same bits as quantising inside.
@@ -363,11 +420,14 @@ def test_gpu_outputs_fully_written(m, n, k):
     w, x = _gpu_case(m, n, k, 11 * m)
     t = s24.compress_24(w)
     q, scale = quantize_rows_fp8(t.values)
-    metas = s24.mma_order_metas(t)
-    for cfg in s24._DECODE_CONFIGS[s24._m_bucket(m)]:
+    for cfg in _triton_configs(m):
         for values, sc in ((t.values, None), (q, scale)):
             out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-            s24.sparse24_mm(x, values, t.meta, sc, config=cfg, out=out, meta_mma=metas)
+            _mma_gemm(x, values, t.meta, sc, cfg, out)
+            torch.cuda.synchronize()
+            assert not torch.isnan(out).any(), cfg
+    for sc in (None, torch.rand(n, device="cuda") + 0.5):  # the Gluon kernel: bf16 values only
+        for cfg, out in _gluon_runs(m, x, t, sc):
             torch.cuda.synchronize()
             assert not torch.isnan(out).any(), cfg
 
@@ -382,7 +442,7 @@ def test_sparse_mma_kernel_compiles_for_sm90():
     # work on them); no shared memory in the loop.
     pytest.importorskip("triton.experimental.gluon.language.nvidia.ampere")
     from gluon_ptx import compile_sm90, ptx_loops
-    from engine.kernels.sparse24_sp_gluon import sparse24_sp_kernel
+    from engine.kernels.sparse24_gluon import sparse24_sp_kernel
     args = dict(x_ptr="*i32", words_ptr="*i32", meta_ptr="*i32", scale_ptr="*fp32", out_ptr="*bf16",
                 acc_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", stride_xm="i32", stride_om="i32")
     for wpt, mp, wk, warps, split, rb in ((4, 8, 2, 4, 1, 1), (8, 16, 4, 4, 2, 1), (4, 16, 1, 8, 1, 1),
@@ -428,7 +488,7 @@ def test_mma_order_meta_is_the_registers_the_kernel_passes():
     # Register (block, step, g, q, c): rows 16 block + g (bits 0..15) and + 8 (16..31), logical
     # groups 4q .. 4q + 3 of MMA c, a nibble each; byte (WPT/2) m + c of a row's step holds
     # logical groups m (low nibble) and m + 4 (high). Built here from the bytes, independently.
-    from engine.kernels.sparse24_sp_gluon import mma_order_meta
+    from engine.kernels.sparse24_gluon import mma_order_meta
     for wpt in (2, 4, 8):
         n, k = 37, 16 * wpt * 3
         meta = torch.randint(0, 256, (n, k // 8), dtype=torch.uint8)
@@ -444,11 +504,56 @@ def test_mma_order_meta_is_the_registers_the_kernel_passes():
                     byte = int(meta[row, s * 2 * wpt + (wpt // 2) * m + c])
                     want[b, s, g, q, c] |= ((byte >> (4 * q)) & 15) << (4 * m + 16 * h)
         assert torch.equal(mo.long() & 0xFFFFFFFF, want)
-    assert s24.mma_order_metas(s24.compress_24(s24.prune_24(torch.randn(32, 256)))) is None  # CPU
+    b = s24.Sparse24Weight.from_dense(s24.prune_24(torch.randn(32, 256).bfloat16()))
+    assert all(getattr(b, f"meta_mma_{wpt}") is None for wpt in s24.MMA_ORDER_WPTS)  # CPU
 
 
 def test_sparse_mma_configs_are_decode_candidates():
-    for bucket in (1, 4, 8, 16):
-        assert any(c[0] == "sp" for c in s24._DECODE_CONFIGS[bucket])
-        assert s24._DECODE_CONFIGS[bucket][0][0] == "mma"  # the untuned default runs anywhere
-    assert all(c[0] != "sp" for b in (32, 64, 128) for c in s24._DECODE_CONFIGS[b])
+    # The Gluon sparse-MMA kernel is sm_90's first choice up to 16 tokens (configurations for the
+    # buckets 1..16 only); beyond that, without MMA-order metadata or with e4m3 values, the
+    # libraries or the Triton kernel, which runs any shape (the untuned default anywhere else).
+    for bucket in (1, 2, 4, 8, 16):
+        assert s24.GLUON_CONFIGS[bucket] and all(c[0] == "sp" for c in s24.GLUON_CONFIGS[bucket])
+    assert set(s24.GLUON_CONFIGS) == {1, 2, 4, 8, 16} and s24.GLUON_SP.max_m == 16
+    assert set(s24.MMA_ORDER_WPTS) == {c[3] for cs in s24.GLUON_CONFIGS.values() for c in cs}
+    assert s24.SPARSE24_GEMM["other"][-2:] == [s24.TRITON, s24.REFERENCE]
+
+    def pick(m, k=4096, values=torch.bfloat16, library=False, mma_order=True, table=s24.SPARSE24_GEMM,
+             op="sparse24_gemm"):
+        p = Problem(op, m, 4096, k, torch.device("cuda"), (values, torch.bfloat16, library, mma_order))
+        return select(table, p).kernel.name
+    clear_cache()
+    try:
+        from engine.kernels.platform import fake_capability
+        with fake_capability((9, 0)):
+            # (M = 3, 9, ...: test_sparse_mma_selection_between_powers_of_two)
+            assert [pick(m) for m in (1, 2, 4, 8, 16, 17, 300)] == ["gluon_sparse_mma"] * 5 + ["triton_stream"] * 2
+            assert pick(17, library=True) == "cusparselt" and pick(1, library=True) == "gluon_sparse_mma"
+            assert pick(1, mma_order=False) == "triton_stream"
+            assert pick(1, k=4104) == "triton_stream"  # no configuration divides K
+            fp8 = dict(values=torch.float8_e4m3fn, table=s24.SPARSE24_FP8_GEMM, op="sparse24_fp8_gemm")
+            assert pick(1, library=True, **fp8) == "torchao_cutlass_sm90" and pick(1, **fp8) == "triton_stream"
+            swiglu = dict(table=s24.SPARSE24_SWIGLU, op="sparse24_swiglu")
+            assert [pick(m, **swiglu) for m in (1, 4, 5, 16)] == ["gluon_sparse_mma_swiglu"] * 2 + ["separate"] * 2
+        with fake_capability((10, 0)):
+            assert pick(1) == "triton_stream" and pick(1, library=True) == "cusparselt"
+            assert pick(1, **dict(table=s24.SPARSE24_SWIGLU, op="sparse24_swiglu")) == "separate"
+    finally:
+        clear_cache()
+
+
+@pytest.mark.parametrize("m", [3, 9])
+def test_sparse_mma_selection_between_powers_of_two(m):
+    # M that is not a power of two (3, 5..7, 9..15 tokens) selects like its bucket on sm_90 (select
+    # checks the actual M as well as its bucket: the Gluon configurations must be looked up by bucket).
+    from engine.kernels.platform import fake_capability
+    clear_cache()
+    try:
+        with fake_capability((9, 0)):
+            for table, op, name in ((s24.SPARSE24_GEMM, "sparse24_gemm", "gluon_sparse_mma"),
+                                    (s24.SPARSE24_SWIGLU, "sparse24_swiglu", None)):
+                p = Problem(op, m, 4096, 4096, torch.device("cuda"), (torch.bfloat16, torch.bfloat16, False, True))
+                got = select(table, p).kernel.name
+                assert got == (name or ("gluon_sparse_mma_swiglu" if m <= 4 else "separate"))
+    finally:
+        clear_cache()

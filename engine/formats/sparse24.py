@@ -224,12 +224,12 @@ SPARSE24_GEMM = {9: [GLUON_SP, CUSPARSELT, TRITON, REFERENCE], "other": [CUSPARS
 SPARSE24_FP8_GEMM = {9: [Kernel("torchao_cutlass_sm90", _run_torchao, check=_library_check), TRITON, REFERENCE],
                      "other": [TRITON, REFERENCE]}
 # silu(gate) * up of a fused gate/up weight: in the sparse-MMA kernel's epilogue, or "separate" (the
-# GEMM, then the SwiGLU kernel: Linear.swiglu). Untuned, the epilogue runs up to 4 tokens.
+# GEMM, then the SwiGLU kernel: Linear.swiglu). Up to 4 tokens only: it needs SPLIT_K = 1 and two row
+# blocks per warp, which cost more than the SwiGLU kernel saves at 8-16 tokens.
 SEPARATE = Kernel("separate", None, needs_cuda=False)
 SPARSE24_SWIGLU = {
     9: [Kernel("gluon_sparse_mma_swiglu", lambda x, w, config: _run_gluon(x, w, config, swiglu=True),
-               max_m=16, check=lambda p: _gluon_check(p) or (None if p.m <= 4 else "untuned beyond 4 tokens"),
-               configs=_gluon_configs), SEPARATE],
+               max_m=4, check=_gluon_check, configs=_gluon_configs), SEPARATE],
     "other": [SEPARATE]}
 
 
@@ -268,31 +268,32 @@ class _Sparse24Base(WeightFormat):
         return choice.kernel.run(x.contiguous(), self, config=choice.config, x_scale=x_scale)
 
     def tune(self, tuner, m_values: list[int], swiglu: bool = False) -> None:
-        from engine.kernels.sparse24_libs import cslt_search
         for m in m_values:
             x = torch.randn(m, self.in_features, device=self.meta.device, dtype=self.dtype) * 0.1
             problem = self._problem(self.op, x)
-            candidates = []
-            for kernel, config in runnable(self.table, problem):
-                if kernel is CUSPARSELT:
-                    config = cslt_search(self.packed, x)
-                candidates.append((kernel.name, config, lambda k=kernel, c=config: k.run(x, self, config=c)))
-            pick = tuner.best(problem, candidates)
+            pick = tuner.best(problem, lambda: [(k.name, c, lambda k=k, c=c: k.run(x, self, config=c))
+                                                for k, c in self._candidates(problem, x)])
             if pick is not None:
                 self.tuned.setdefault(self.op, {})[m_bucket(m)] = pick
-            if swiglu and m <= 16:
+            if swiglu and m <= 4:
                 self._tune_swiglu(tuner, x)
+
+    def _candidates(self, problem, x):
+        """What the tuner times: every runnable (kernel, config), cuSPARSELt with its searched algorithm."""
+        from engine.kernels.sparse24_libs import cslt_search
+        return [(k, cslt_search(self.packed, x) if k is CUSPARSELT else c) for k, c in runnable(self.table, problem)]
 
     def _tune_swiglu(self, tuner, x):
         from engine.kernels.swiglu import swiglu
         problem = self._problem("sparse24_swiglu", x)
-        candidates = [(k.name, c, lambda k=k, c=c: k.run(x, self, config=c))
-                      for k, c in runnable(SPARSE24_SWIGLU, problem) if k is not SEPARATE]
-        if candidates:
-            candidates.append((SEPARATE.name, None, lambda: swiglu(self(x))))
-            pick = tuner.best(problem, candidates)
-            if pick is not None:
-                self.tuned.setdefault("sparse24_swiglu", {})[m_bucket(x.shape[0])] = pick
+
+        def candidates():
+            fused = [(k.name, c, lambda k=k, c=c: k.run(x, self, config=c))
+                     for k, c in runnable(SPARSE24_SWIGLU, problem) if k is not SEPARATE]
+            return fused + [(SEPARATE.name, None, lambda: swiglu(self(x)))] if fused else []
+        pick = tuner.best(problem, candidates)
+        if pick is not None:
+            self.tuned.setdefault("sparse24_swiglu", {})[m_bucket(x.shape[0])] = pick
 
     def dequantize(self):
         w = decompress_24(self.tensor, torch.float32)

@@ -5,9 +5,9 @@ A sequence's token at position p lives in block block_table[p // block_size], ro
 its flat slot is block * block_size + row (the slot_mapping of the KV write).
 
 Each function has a plain PyTorch reference (`*_ref`), which is what runs on the CPU; on CUDA
-tensors (or anywhere under TRITON_INTERPRET=1) the public functions run Triton kernels:
-- `write_kv`: one program per token stores its K and V rows at their slots (the model's layers
-  store them in RoPE's launch instead: engine/kernels/rope.py).
+tensors (or anywhere under TRITON_INTERPRET=1) the public functions run Triton kernels. The KV
+write has no kernel of its own: RoPE's launch stores K and V (engine/kernels/rope.py), and
+`write_kv_ref` is its reference.
 - `decode_attention`: one program per (sequence, KV head, split of the context). The query heads
   that share a KV head are processed together as the rows of one tile, so each K/V row is read
   from HBM once per KV head (GQA); long contexts are split across programs to fill the GPU and a
@@ -123,23 +123,6 @@ def _dot(a, b, EXACT_FP32: tl.constexpr):
     else:
         c = tl.dot(a, b)
     return c
-
-
-@jit
-def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-                     k_stride_t, k_stride_h, v_stride_t, v_stride_h,
-                     c_stride_block, c_stride_row, c_stride_head, n_kv_heads,
-                     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    heads = tl.arange(0, HEADS)[:, None]
-    d = tl.arange(0, HEAD_DIM)[None, :]
-    mask = heads < n_kv_heads
-    dst = (slot // PAGE) * c_stride_block + (slot % PAGE) * c_stride_row + heads * c_stride_head + d
-    k = tl.load(k_ptr + t * k_stride_t + heads * k_stride_h + d, mask=mask)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    v = tl.load(v_ptr + t * v_stride_t + heads * v_stride_h + d, mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @jit
@@ -299,18 +282,6 @@ def _exact_fp32_dot(dtype):
     return dtype == torch.float32 or interpreting()
 
 
-def write_kv_triton(k, v, k_cache, v_cache, slot_mapping):
-    t, nkv, hd = k.shape
-    check_cache(k_cache, v_cache, hd)
-    if k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError("write_kv needs unit stride along head_dim")
-    if t > 0:
-        _write_kv_kernel[(t,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1),
-                               v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
-                               k_cache.stride(2), nkv, HEADS=triton.next_power_of_2(nkv), HEAD_DIM=hd,
-                               PAGE=k_cache.shape[1], num_warps=4)
-
-
 def decode_splits(num_seqs: int, num_kv_heads: int, device) -> int:
     """Splits of the context per (sequence, KV head): enough programs for ~2 per SM, a power of two
     up to 64 (large batches run best unsplit, batch 1 at 16..64 splits). The split
@@ -381,12 +352,6 @@ def prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables, 
 
 # --------------------------------------------------------------------------------------------------
 # What the model calls: the Triton kernels where they apply, the references elsewhere.
-
-
-def write_kv(k, v, k_cache, v_cache, slot_mapping):
-    if triton_runs(k):
-        return write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
-    return write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):

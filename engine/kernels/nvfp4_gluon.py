@@ -6,39 +6,24 @@ gate/up projection and out silu(gate) * up [M, N/2]. `decode_config` / `swiglu_c
 tuning constants. The NVFP4 format (engine/formats/nvfp4.py) selects it where it is fastest: the
 fewest tokens (its x traffic grows with M, where WGMMA's shared x does not).
 
-Design (Marlin-style, every operand in registers; explicit layouts, checked at compile time):
-- mma.sync m16n8k16 bf16 -> fp32, the weights the A operand (16 rows), x^T the B operand (one
-  n8 tile of tokens for M <= 8, two for 9..16).
-- Each thread's packed words are loaded straight into the registers of its A fragment: the same
-  K permutation as the Triton decode kernel (`_logical_k` there; W and x permuted alike, so the
-  dot product is unchanged) makes the 8 K values a thread holds per 32 K of a row one packed
-  word; thread q of a lane quad loads WPT consecutive words (16 bytes at WPT = 4) of rows g and
-  g + 8. `words_layout` spells that out as a linear layout, and every reshape / permute from the
-  loaded words to the MMA operand is a `convert_layout(..., assert_trivial=True)`: the compiler
-  refuses the kernel if any of them would move data between threads.
-- Decode in inline PTX (`_DECODE_ASM`), per word: 13 integer instructions place each e2m1 code's
-  sign on bf16 bit 15 and its magnitude on bits 8:6 (value x 2^-126, 0.5 a bf16 subnormal) and
-  4 bf16x2 multiplies apply the block scale, pre-converted to bf16 x 2^118 (`_scale_asm`:
-  e4m3 bits shifted into bf16 position, subnormals included, then two exact multiplies by 2^119);
-  the epilogue multiplies by 2^8 x tensor scale. Register j of a word holds nibbles (j, j + 4),
-  the pairs one multiply-and-mask can place 16 bits apart.
-- x: 16-byte loads in physical K order, permuted in registers to the same logical order (a byte
-  permute per bf16 pair; from L1, it is reused by every program on the SM). Rows past M re-read
-  row M-1 and rows past N re-read row N-1, so the K loop has no masks.
-- Two K steps in flight per warp: the loop body computes steps i, i+1 and refills their registers
-  with steps i+2, i+3 (plain loads; the pointers advance once per body and each step is a
-  constant offset folded into the load). `stream_steps` (the loop, with the per-step function
-  passed in) and the epilogue `store_rows` also run the 2:4 kernel of engine/kernels/sparse24_gluon.py.
-- Work split: a program is `num_warps` warps over BLOCK_N rows; WK of them split K (warp w takes
-  K steps w, w + WK, ..: neighbouring chunks of the same rows) and the other num_warps / WK split
-  the rows; the WK partial sums meet once, after the loop, through shared memory (`gl.sum` over
-  the leading axis of a batched MMA layout). SPLIT_K > 1 splits K across programs, reduced in the
-  same launch like engine/kernels/split_k.py (`_split_k_arrive` / `_split_k_take`, the same
-  protocol and buffers, in Gluon).
-
-Storage: row-major or the 16-row x 128-K tiles the engine keeps on CUDA (TILED), where a warp's
-K step of 16 rows is one contiguous 1 KB read; contiguity, not bytes in flight or decode
-instructions, is what moves this kernel (BENCHMARKS.md lists what was tried).
+Design (Marlin-style: every operand in registers, explicit layouts checked at compile time):
+- mma.sync m16n8k16 bf16 -> fp32; the weights are the A operand (16 rows), x^T the B operand (one
+  n8 token tile for M <= 8, two for 9..16).
+- Packed words load straight into the A fragment's registers: the K permutation of the Triton
+  decode kernel (`_logical_k` there, applied to W and x alike) makes a thread's 8 K values per 32 K
+  one word; thread q of a lane quad loads WPT consecutive words of rows g and g + 8. Every reshape
+  from the loaded words to the operand is `convert_layout(..., assert_trivial=True)`: the compiler
+  refuses the kernel if any would move data between threads.
+- Decode in inline PTX (`_decode_asm`): 13 integer instructions per word put each code's sign on
+  bf16 bit 15 and its magnitude on bits 8:6 (value x 2^-126), 4 bf16x2 multiplies apply the block
+  scale, pre-converted to bf16 x 2^118 (`_scale_asm`); the epilogue multiplies by 2^8 x tensor scale.
+- x: 16-byte loads, permuted in registers to the logical K order (reused from L1 by every program).
+  Rows past M and N re-read the last one, so the K loop has no masks.
+- Two K steps in flight per warp (`stream_steps`, shared with engine/kernels/sparse24_gluon.py, as
+  is the epilogue `store_rows`). WK warps split K step by step and meet once through shared memory;
+  SPLIT_K programs split K, reduced in the same launch (engine/kernels/split_k.py's protocol).
+- Storage: row-major or the 16-row x 128-K tiles (TILED), where a warp's K step is one contiguous
+  1 KB read: contiguity is what moves this kernel (BENCHMARKS.md lists what was tried).
 """
 from __future__ import annotations
 

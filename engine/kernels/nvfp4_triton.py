@@ -4,35 +4,29 @@ Weight operand `w`: any object with `packed` (uint8 e2m1 pairs, low nibble = eve
 (e4m3, one per 16 along K), `tensor_scale` (fp32 scalar), `shape` (N, K) and `tiled` (storage in
 16-row x 128-K tiles, engine/formats/nvfp4.py). Activations bf16 [M, K], unit stride along K.
 
-`decode_gemm(x, w, out)` (M <= 128, K % 64 == 0): a weight-streaming kernel. The weight tile is the
-MMA's A operand (its rows on the M side, x^T the [K, 16..128] B operand), so one token still feeds
-the tensor cores, which leaves the CUDA cores only the e2m1 decode: per packed 32-bit word (8
-values), 17 instructions (`_decode_ptx`: mask, multiply-shift, mask per bf16 pair, then one bf16x2
-multiply by the block scale). Three things keep the decode that cheap:
-- the word is never split across threads: the MMA's A fragment gives each thread 2 rows x 8 K
-  values per 32 K, so the kernel reorders K (the same way in W and x, which leaves the dot product
-  unchanged) until those 8 logical K positions are one packed word (`_logical_k`);
-- the pairs that a shift can place cheaply, (k0, k4), (k1, k5), (k2, k6), (k3, k7), become the
-  bf16x2 registers the MMA reads, with no shuffle afterwards;
-- e2m1 is decoded by position, not value: the 3 magnitude bits land on bf16 bits 8:6 (exponent
-  low bits + mantissa top bit), which reads as value x 2^-126 (0.5 is a subnormal, which the bf16
-  multiply honours); the block scale is pre-multiplied by 2^118 (in range: 448 x 2^118 < 2^128),
-  so the product is value x scale x 2^-8, exact in bf16, and the epilogue multiplies by
-  2^8 x tensor scale.
-The PTX is written for the A operand's register order, which only holds where Triton propagates
-the MMA layout back through the decode; the layout is checked per configuration on the compiled
-kernel (`_ptx_decode_layout_ok`), and where it does not hold the kernel decodes arithmetically.
-K is split across programs when N alone leaves SMs idle; the partial sums meet in the same
-launch (engine/kernels/split_k.py). Launch parameters: `small_m_config`.
+`decode_gemm(x, w, out)` (M <= 128, K % 64 == 0): weight streaming. The weight tile is the WGMMA's
+A operand (its rows on the M side, x^T the [K, 16..128] B operand from shared memory), so one token
+still feeds the tensor cores and the CUDA cores only decode e2m1, 17 instructions per packed word of
+8 values (`_decode_ptx`):
+- K is permuted alike in W and x (`_logical_k`) so that the 8 K positions a thread holds per 32 K
+  of a row in the A fragment are one packed word, never split across threads; the pairs a shift
+  places cheaply, (k0, k4) .. (k3, k7), are the bf16x2 registers the MMA reads.
+- e2m1 is decoded by position: the 3 magnitude bits land on bf16 bits 8:6 (value x 2^-126; 0.5 is a
+  subnormal the bf16 multiply honours); the block scale is pre-multiplied by 2^118, so the product
+  is value x scale x 2^-8, exact in bf16; the epilogue multiplies by 2^8 x tensor scale.
+- The PTX assumes the A operand's register order, which holds only where Triton propagates the MMA
+  layout back through the decode: checked per configuration on the compiled kernel
+  (`_ptx_decode_layout_ok`); elsewhere the kernel decodes arithmetically.
+- K is split across programs when N alone leaves SMs idle, reduced in the same launch
+  (engine/kernels/split_k.py). Launch parameters: `small_m_config`.
 
-`dequantize_bf16(w)`: the whole weight decoded to bf16 (`_decode_tile`: `prmt` table lookups);
-`dequantize_scratch(w)` decodes into one reused buffer per device, for large M, where decoding
-once and running cuBLAS's bf16 GEMM beats decoding per tile.
+`dequantize_bf16(w)` decodes the whole weight (`_decode_tile`, `prmt` table lookups);
+`dequantize_scratch(w)` into one reused buffer per device, for large M, where decoding once and
+cuBLAS's bf16 GEMM beat decoding per tile.
 
-The interpreter (TRITON_INTERPRET=1) cannot run inline PTX; there the kernels decode with plain
-Triton arithmetic that computes the same function (`_e2m1_to_bf16_arith`, `_decode_words_arith`),
-and the tests check it against the reference; a CPU test executes `_decode_ptx` instruction by
-instruction against `_decode_words_arith`'s element order.
+The interpreter (TRITON_INTERPRET=1) runs no inline PTX: there the kernels decode with Triton
+arithmetic computing the same function (`_e2m1_to_bf16_arith`, `_decode_words_arith`); a CPU test
+executes `_decode_ptx` instruction by instruction against that element order.
 """
 from __future__ import annotations
 

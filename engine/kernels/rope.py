@@ -4,7 +4,7 @@ The reference builds cos/sin from the inverse frequencies; the fused kernel reco
 from the positions in registers, so no cos/sin table is stored or read. It rotates q and k in place
 (they may be strided views of the fused qkv GEMM output) in one launch: one program per token in
 prefill, one per token and DECODE_HEADS heads at decode sizes. Given the paged KV cache, the same
-launch stores the rotated k and v at the step's slots (attention's write_kv, fused).
+launch stores the rotated k and v at the step's slots (attention.write_kv_ref's job, fused).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from engine.kernels.attention import check_cache, write_kv
+from engine.kernels.attention import check_cache, write_kv_ref
 from engine.kernels.platform import jit, triton_runs
 
 try:
@@ -63,7 +63,7 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, k_cache_ptr, v_cach
                  HEADS: tl.constexpr, HALF: tl.constexpr, WRITE_KV: tl.constexpr, PAGE: tl.constexpr):
     """Token program_id(0), heads HEADS * program_id(1) .. of [q heads, k heads, v heads (WRITE_KV
     only)]: q and k rotated in place; with WRITE_KV the rotated k and v also stored at the token's
-    slot of the paged cache (what attention's write_kv does, without a kernel of its own)."""
+    slot of the paged cache (what attention.write_kv_ref does, without a kernel of its own)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)[:, None]
     d = tl.arange(0, HALF)[None, :]
@@ -114,7 +114,7 @@ DECODE_TOKENS = 64
 def apply_rope_triton(q, k, positions, inv_freq, kv_write=None):
     """Rotates q [T, nh, hd] and k [T, nkv, hd] in place (any token/head strides, unit stride along
     hd) and returns them. kv_write = (v, k_cache, v_cache, slot_mapping): also store the rotated k
-    and v at their cache slots, as attention's write_kv would."""
+    and v at their cache slots, as attention.write_kv_ref would."""
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("apply_rope needs unit stride along head_dim")
     if q.dtype != k.dtype:   # one kernel pointer walks both (the slices of one qkv output)
@@ -153,5 +153,5 @@ def apply_rope(q, k, positions, inv_freq, kv_write=None, fused=True):
     q, k = apply_rope_ref(q, k, positions, inv_freq)
     if kv_write is not None:
         v, k_cache, v_cache, slots = kv_write
-        write_kv(k, v, k_cache, v_cache, slots)
+        write_kv_ref(k, v, k_cache, v_cache, slots)
     return q, k

@@ -93,24 +93,24 @@ class Tuner:
                            "n": problem.n, "k": problem.k, "m_bucket": m_bucket(problem.m),
                            "detail": [str(d) for d in problem.detail]}, sort_keys=True)
 
-    def best(self, problem: Problem, candidates: list[tuple[str, object, Callable[[], object]]]):
-        """(kernel name, config) for problem's M bucket; candidates: (name, config, run) with run()
-        launching that candidate once on sample operands. None where nothing is cached and tuning
-        is off or there is nothing to choose."""
+    def best(self, problem: Problem, candidates: Callable[[], list[tuple[str, object, Callable[[], object]]]]):
+        """(kernel name, config) for problem's M bucket. candidates() lists (name, config, run), run()
+        launching that candidate once on sample operands; it is called only when nothing is cached.
+        None where nothing is cached and tuning is off or there is nothing to choose."""
         entry = self.entries.get(self.key(problem))
-        names = {(name, _hashable(config)) for name, config, _ in candidates}
-        if entry is not None and (entry["kernel"], _hashable(entry["config"])) in names:
+        if entry is not None:
             return entry["kernel"], _hashable(entry["config"])
-        if not self.enabled or len(candidates) < 2:
+        if not self.enabled:
             return None
-        times = {}
-        for i, (_, _, run) in enumerate(candidates):
-            times[i] = self.timer(run)
+        listed = candidates()
+        if len(listed) < 2:
+            return None
+        times = {i: self.timer(run) for i, (_, _, run) in enumerate(listed)}
         for i in sorted(times, key=times.get)[:3]:
-            times[i] = (times[i] + self.timer(candidates[i][2])) / 2
-        self.timed += len(candidates) + min(3, len(candidates))
+            times[i] = (times[i] + self.timer(listed[i][2])) / 2
+        self.timed += len(listed) + min(3, len(listed))
         best = min(times, key=times.get)
-        name, config, _ = candidates[best]
+        name, config, _ = listed[best]
         self.entries[self.key(problem)] = {"kernel": name, "config": config, "ms": times[best]}
         return name, _hashable(config)
 
