@@ -49,7 +49,7 @@ def _triton_kernels():
         for k0 in range(0, K, BLOCK_K):
             offs = k0 + tl.arange(0, BLOCK_K)
             v = tl.load(x_ptr + row * K + offs, mask=offs < K, other=0.0).to(tl.float32)
-            q = tl.clamp(v / scale, -448.0, 448.0)
+            q = tl.clamp(tl.math.div_rn(v, scale), -448.0, 448.0)  # IEEE division, as the reference
             tl.store(q_ptr + row * K + offs, q.to(tl.float8e4nv), mask=offs < K)
 
     # M is not specialised: one binary for every decode batch size.
