@@ -543,7 +543,8 @@ def engine_overrides(args, ap) -> dict:
         out["offload"] = True
     if args.gpu_memory_limit is not None:
         out["gpu_memory_limit"] = args.gpu_memory_limit
-    out["tune"] = args.tune
+    if args.tune == "off":
+        out["tune"] = "off"
     try:
         graphs = allocator.resolve_cuda_graphs(args.allocator, False if args.no_cuda_graphs else None)
     except ValueError as e:
