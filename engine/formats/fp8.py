@@ -142,6 +142,12 @@ class Fp8Weight(WeightFormat):
         out_dtype = self.dtype if x.dtype == torch.float8_e4m3fn else x.dtype
         return fp8_linear(x, self.qweight, self.scale, out_dtype, residual, x_scale)
 
+    def tune(self, tuner, m_values: list[int], swiglu: bool = False) -> None:
+        """Nothing to time (one configuration per kernel): the choice for each M is made, and
+        logged, now rather than in the first step that meets it."""
+        for m in m_values:
+            select(FP8_GEMM, Problem("fp8_gemm", m, self.out_features, self.in_features, self.qweight.device))
+
     def dequantize(self) -> torch.Tensor:
         return dequantize_fp8(self.qweight, self.scale).to(self.dtype)
 

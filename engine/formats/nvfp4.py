@@ -315,10 +315,20 @@ class Nvfp4Weight(WeightFormat):
         return nvfp4_linear(x, self.tensor)
 
     def swiglu_forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        problem = Problem("nvfp4_swiglu", x.shape[0], self.out_features, self.in_features, x.device,
-                          (x.dtype, self.packed.dim() == 4))
-        kernel = select(NVFP4_SWIGLU, problem).kernel
+        kernel = select(NVFP4_SWIGLU, self._problem("nvfp4_swiglu", x.shape[0], x.dtype)).kernel
         return None if kernel.run is None else kernel.run(x.contiguous(), self.tensor)
+
+    def _problem(self, op: str, m: int, x_dtype: torch.dtype) -> Problem:
+        return Problem(op, m, self.out_features, self.in_features, self.packed.device,
+                       (x_dtype, self.packed.dim() == 4))
+
+    def tune(self, tuner, m_values: list[int], swiglu: bool = False) -> None:
+        """Nothing to time (one configuration per kernel): the choices for each M are made, and
+        logged, now rather than in the first step that meets them."""
+        for m in m_values:
+            select(NVFP4_GEMM, self._problem("nvfp4_gemm", m, self.dtype))
+            if swiglu:
+                select(NVFP4_SWIGLU, self._problem("nvfp4_swiglu", m, self.dtype))
 
     def dequantize(self) -> torch.Tensor:
         return dequantize(self.tensor, self.dtype)

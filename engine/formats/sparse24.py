@@ -278,6 +278,7 @@ class _Sparse24Base(WeightFormat):
                                                 for k, c in self._candidates(problem, x)])
             if pick is not None:
                 self.tuned.setdefault(self.op, {})[m_bucket(m)] = pick
+            select(self.table, problem, self.tuned.get(self.op))   # chosen and logged now
             if swiglu and m <= 4:
                 self._tune_swiglu(tuner, x)
 
