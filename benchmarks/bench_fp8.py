@@ -144,7 +144,7 @@ def accuracy_table(rowwise, promotes=()):
 
 def tile_sweep():
     from engine.kernels.cute.fp8_gemm_sm90 import PRECISE_TILES, TILES, choose_tile, fp8_gemm_sm90
-    from engine.kernels.cute.common import sm_count
+    from engine.kernels.platform import sm_count
     print("\nsm90 tile sweep (TFLOP/s per tile; '-' = tile not available in that mode), with cuBLAS fp8 in the "
           "same accumulation mode timed at the same moment")
     print("| N x K | M | accumulation | " + " | ".join(f"{a}x{b}" for a, b in TILES) + " | chosen | cuBLAS |")
@@ -161,7 +161,7 @@ def tile_sweep():
                     sec = time_graph(lambda s: fp8_gemm_sm90(s["qx"], s["xs"], s["qw"], s["ws"], tile_mn=tile,
                                                              fast_accum=fast), sets, replays=7)
                     cells.append(f"{2 * m * n * k / sec / 1e12:.0f}")
-                chosen = choose_tile(m, n, sm_count(), fast)
+                chosen = choose_tile(m, n, sm_count(torch.device("cuda")), fast)
                 sec = time_graph(lambda s: cublas_fp8(s, fast), sets, replays=7)
                 print(f"| {n} x {k} | {m} | {'fast' if fast else 'promoted'} | " + " | ".join(cells)
                       + f" | {chosen[0]}x{chosen[1]} | {2 * m * n * k / sec / 1e12:.0f} |", flush=True)
@@ -177,7 +177,7 @@ def alternating_passes(ms, passes, swizzles, promotes):
     the same pass is kept."""
     from engine.kernels.cute.fp8_gemm_sm90 import (TILE_K, choose_promote_every, choose_swizzle, choose_tile,
                                                    fp8_gemm_sm90)
-    from engine.kernels.cute.common import sm_count
+    from engine.kernels.platform import sm_count
     print(f"\nours vs cuBLAS fp8 (default accumulation), {passes} alternating passes; ratio = cuBLAS time / "
           "ours (>1 = ours faster), median and min over the passes")
     print("| N x K | M | tile | variant | ours TFLOP/s median (min-max) | cuBLAS TFLOP/s median (min-max) "
@@ -187,7 +187,7 @@ def alternating_passes(ms, passes, swizzles, promotes):
         for m in ms:
             sets = make_sets(m, n, k, n * k)
             flops = 2 * m * n * k
-            tile = choose_tile(m, n, sm_count())
+            tile = choose_tile(m, n, sm_count(torch.device("cuda")))
             n_tiles = n // tile[1]
             k_tiles = math.ceil(k / TILE_K)
             variants = {f"default (swizzle {choose_swizzle(n_tiles)}, promote every {choose_promote_every(k)})": {}}

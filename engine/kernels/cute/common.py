@@ -7,21 +7,10 @@ when only the batch changes. Set CUTE_DSL_ARCH=sm_90a / sm_100a to compile witho
 """
 from __future__ import annotations
 
-import functools
 import os
 import threading
 
 import torch
-
-
-def cute_available() -> bool:
-    """True when nvidia-cutlass-dsl can be imported (it is optional on CPU-only installs)."""
-    try:
-        import cutlass  # noqa: F401
-        import cutlass.cute  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def target_arch() -> str:
@@ -90,11 +79,6 @@ def current_stream():
 def placeholder_stream():
     from cutlass.runtime import make_fake_stream
     return make_fake_stream()
-
-
-@functools.cache
-def sm_count() -> int:
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
 class CompileCache:

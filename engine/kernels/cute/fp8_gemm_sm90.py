@@ -47,7 +47,8 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from engine.kernels.cute.common import (CompileCache, compile_scaled_gemm, current_stream, scaled_gemm_tensors,
-                                        sm_count, tensor_ptr)
+                                        tensor_ptr)
+from engine.kernels.platform import sm_count
 from engine.kernels.cute.epilogue import scale_accumulators
 
 # Tiles the dispatcher chooses from, largest first: (tile_m, tile_n). tile_k is 128 (four k32 WGMMAs).
@@ -362,7 +363,7 @@ class Fp8GemmSm90:
 
 def sm_count_or_default() -> int:
     """SM count of the GPU, or the H100 SXM's 132 when compiling without one."""
-    return sm_count() if torch.cuda.is_available() else 132
+    return sm_count(torch.device("cuda")) if torch.cuda.is_available() else 132
 
 
 _cache = CompileCache()
@@ -407,7 +408,7 @@ def fp8_gemm_sm90(qx: torch.Tensor, x_scale: torch.Tensor, qw: torch.Tensor, w_s
         residual = residual.to(torch.bfloat16).contiguous()
         if residual.shape != (m, n):
             raise ValueError(f"residual must be [{m}, {n}], got {tuple(residual.shape)}")
-    tile_mn = tile_mn or choose_tile(m, n, sm_count(), fast_accum)
+    tile_mn = tile_mn or choose_tile(m, n, sm_count(qx.device), fast_accum)
     fn = compiled_kernel(tuple(tile_mn), n, k, residual is not None, fast_accum, swizzle, promote_every)
     fn(tensor_ptr(qx), tensor_ptr(qw), tensor_ptr(x_scale, 4), tensor_ptr(w_scale, 4),
        tensor_ptr(out), tensor_ptr(residual if residual is not None else out), m, current_stream())
