@@ -36,9 +36,9 @@ RB row blocks per warp share it in registers.
 
 SwiGLU epilogue (SWIGLU, for the fused gate/up projection): a program's row blocks alternate gate
 and up rows, so each thread holds both operands of its outputs and writes silu(gate) * up, saving
-the SwiGLU kernel and its launch. It needs an even number of
-row blocks per warp and no split-K, which at 8-16 tokens can cost more than it saves: the tuner
-times it against the unfused pair (engine/formats/sparse24.py).
+the SwiGLU kernel and its launch. It needs an even number of row blocks per warp and no split-K,
+which past 4 tokens costs more than it saves; up to 4 the tuner times it against the unfused pair
+(engine/formats/sparse24.py).
 
 Work split as in the other Gluon decode kernels (engine/kernels/nvfp4_gluon.py, whose K loop
 `stream_steps` and epilogue `store_rows` this kernel runs): num_warps / WK warps split the rows,
