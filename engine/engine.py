@@ -177,7 +177,7 @@ class Engine:
         self.in_flight: InFlight | None = None
         self.num_penalised = 0      # running requests with penalties: their steps do not overlap
         self.requests: dict[str, Request] = {}
-        self.stats = {"steps": 0, "step_tokens": 0, "finished": 0, "aborted": 0, "host_s": 0.0}
+        self.stats = {"steps": 0, "step_tokens": 0, "finished": 0, "aborted": 0, "failed": 0, "host_s": 0.0}
         self.ttft, self.itl = LatencySummary(), LatencySummary()
         if self.device.type == "cuda":
             # Loading, conversion and graph capture ran on the default stream; the step streams
@@ -322,6 +322,26 @@ class Engine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.in_flight is not None
+
+    def fail_running(self) -> list[str]:
+        """After a step raised: drop the requests that were running or in flight (their KV cache may
+        be half-written), without telling their sinks, and reset the step pipeline so the engine goes
+        on serving the waiting ones. Returns the dropped request ids; the caller fails them."""
+        ids = [seq.request_id for seq in self.scheduler.running]
+        if self.in_flight is not None:
+            ids += [req.seq.request_id for req, _ in self.in_flight.rows]
+        self.in_flight = None
+        for slot in self.ring.slots:       # a step that raised between acquire and release
+            slot.in_use = False
+        self.readback.tickets = [None] * self.readback.num_slots     # tickets that will never be read
+        dropped = []
+        for rid in dict.fromkeys(ids):
+            req = self.requests.get(rid)
+            if req is not None:
+                self._drop(req, "error")
+                self.stats["failed"] += 1
+                dropped.append(rid)
+        return dropped
 
     # ---------------------------------------------------------------- the step
 
@@ -468,6 +488,6 @@ class Engine:
             "preemptions": self.scheduler.num_preemptions, "steps": s["steps"],
             "tokens_per_step": s["step_tokens"] / s["steps"] if s["steps"] else 0.0,
             "host_seconds_per_step": s["host_s"] / s["steps"] if s["steps"] else 0.0,
-            "requests_finished": s["finished"], "requests_aborted": s["aborted"],
+            "requests_finished": s["finished"], "requests_aborted": s["aborted"], "requests_failed": s["failed"],
             "ttft_seconds": self.ttft.summary(), "itl_seconds": self.itl.summary(),
         }
