@@ -46,6 +46,7 @@ from engine.openai_protocol import (
     Choice,
     CompletionRequest,
     EmbeddingRequest,
+    TextOffsets,
     TokenText,
     chat_logprobs,
     completion_logprobs,
@@ -456,7 +457,8 @@ def create_app(state: ServerState) -> FastAPI:
         return {"id": request_id, "object": "text_completion", "created": int(time.time()),
                 "model": state.model_name, "system_fingerprint": None,
                 "choices": [{"index": i, "text": c.text,
-                             "logprobs": completion_logprobs(c.logprobs, token_text, 0)
+                             "logprobs": completion_logprobs(c.logprobs, token_text, TextOffsets(token_text),
+                                                             len(c.text))
                              if req.logprobs is not None else None,
                              "finish_reason": _FINISH[c.finish_reason]} for i, c in enumerate(choices)],
                 "usage": usage(choices, req.n)}
@@ -464,7 +466,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def completion_events(req: CompletionRequest, streams, choices, request_id):
         created = int(time.time())
         include_usage = req.include_usage()
-        offsets = [0] * len(streams)
+        offsets = [TextOffsets(token_text) for _ in streams]
         head = {"id": request_id, "object": "text_completion", "created": created, "model": state.model_name,
                 "system_fingerprint": None}
 
@@ -478,8 +480,8 @@ def create_app(state: ServerState) -> FastAPI:
                 break
             lp = None
             if req.logprobs is not None and chunk.logprobs:
-                lp = completion_logprobs(chunk.logprobs, token_text, offsets[i])
-                offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                final_len = len(choices[i].text) if chunk.finish_reason is not None else None
+                lp = completion_logprobs(chunk.logprobs, token_text, offsets[i], final_len)
             if chunk.text or lp is not None:
                 yield frame({"index": i, "text": chunk.text, "logprobs": lp, "finish_reason": None})
             if chunk.finish_reason is not None:

@@ -221,6 +221,106 @@ def test_models_embeddings_and_metrics(server, reference):
     assert m["microengine_requests_finished_total"] > 0
 
 
+def test_tiny_temperatures_sample_greedily(server, reference):
+    """Issue 26.1: a tiny valid temperature used to overflow the fp32 logits and return ""."""
+    c = client(server)
+    ref = reference.generate([COMPLETION_PROMPT], SamplingParams(**GREEDY))[0].text
+    assert ref.strip()
+    out = c.completions.create(model=MODEL, prompt=COMPLETION_PROMPT, max_tokens=12, temperature=5e-324)
+    assert out.choices[0].text == ref
+    ref_chat = reference.chat(CHAT, SamplingParams(**GREEDY)).text
+    out = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=1e-39)
+    assert out.choices[0].message.content == ref_chat
+
+
+EMOJI_CHAT = [{"role": "user", "content": "Repeat exactly: \U0001F600\U0001F603\U0001F604 \u65e5\u672c\u8a9e"}]
+
+
+def test_logprob_bytes_are_each_tokens_utf8_bytes(server, reference):
+    """Issue 26.2: a token holding part of a character came back as U+FFFD with bytes [239, 191, 189]."""
+    params = {"temperature": 0, "max_tokens": 22}
+    ref = reference.chat(EMOJI_CHAT, SamplingParams(**params))
+    out = client(server).chat.completions.create(model=MODEL, messages=EMOJI_CHAT, logprobs=True, top_logprobs=2,
+                                                 **params)
+    text, content = out.choices[0].message.content, out.choices[0].logprobs.content
+    assert text == ref.text and "\U0001F600" in text and len(content) == len(ref.token_ids)
+    special = set(reference.tokenizer.all_special_ids)
+    joined = b"".join(bytes(e.bytes) for tid, e in zip(ref.token_ids, content) if tid not in special)
+    assert joined.decode("utf-8") == text          # every token's real bytes, partial characters included
+    partial = [e for e in content if not _is_utf8(bytes(e.bytes))]
+    assert partial, "the output should hold tokens that split a character"
+    for e in content:
+        assert e.bytes != [0xEF, 0xBF, 0xBD]
+        assert e.top_logprobs[0].bytes == e.bytes       # greedy: the top entry is the chosen token
+    for e in partial:                                   # OpenAI's spelling of a token that is no text
+        assert e.token == "bytes:" + "".join(f"\\x{b:02x}" for b in e.bytes)
+
+
+def _is_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def test_completion_text_offsets_point_into_the_text(server, reference):
+    """Issue 26.3: text_offset counted a U+FFFD per partial token and ran past the text."""
+    prompt = "\U0001F600\U0001F603\U0001F604\U0001F601\U0001F606\U0001F605\U0001F602\U0001F923"
+    kw = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "logprobs": 1, "temperature": 0}
+    out = client(server).completions.create(**kw)
+    text, lp = out.choices[0].text, out.choices[0].logprobs
+    assert text == reference.generate([prompt], SamplingParams(temperature=0, max_tokens=6))[0].text
+    assert len(text) < 6 and len(lp.text_offset) == len(lp.tokens) == 6    # tokens that split characters
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert all(off < len(text) for off in lp.text_offset)
+    for token, off in zip(lp.tokens, lp.text_offset):
+        if not token.startswith("bytes:"):
+            assert text[off:off + len(token)] == token
+    streamed_tokens, streamed_offsets, streamed_text = [], [], ""
+    for chunk in client(server).completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            streamed_text += ch.text
+            if ch.logprobs is not None:
+                streamed_tokens += ch.logprobs.tokens
+                streamed_offsets += ch.logprobs.text_offset
+    assert (streamed_text, streamed_tokens, streamed_offsets) == (text, lp.tokens, lp.text_offset)
+
+
+def test_null_means_the_default(server, reference):
+    """Issue 26.4: explicit null (allowed by the spec) got 400 for temperature, top_p, n, ..."""
+    nulls = dict.fromkeys(["temperature", "top_p", "n", "presence_penalty", "frequency_penalty", "logprobs",
+                           "stream", "seed", "stop", "user", "stream_options", "top_logprobs",
+                           "max_completion_tokens", "ignore_eos"])
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 6,
+                                                    "seed": 11, **{k: v for k, v in nulls.items() if k != "seed"}})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert len(body["choices"]) == 1 and body["choices"][0]["logprobs"] is None
+        # null took the defaults (temperature 1, top_p 1, no penalties): the same tokens as those given.
+        explicit = http.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": CHAT, "max_tokens": 6, "seed": 11, "temperature": 1.0, "top_p": 1.0,
+            "presence_penalty": 0, "frequency_penalty": 0, "n": 1, "stream": False}).json()
+        assert body["choices"][0]["message"] == explicit["choices"][0]["message"]
+        comp_nulls = {k: v for k, v in nulls.items() if k not in ("max_completion_tokens", "top_logprobs")}
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3, **comp_nulls})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["logprobs"] is None
+    # The official client sends None as null too.
+    out = client(server).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=None,
+                                                 top_p=None, n=None, presence_penalty=None, logprobs=None)
+    assert out.choices[0].finish_reason in ("stop", "length")
+
+
+def test_message_name_is_accepted(server, reference):
+    """Issue 26.5: messages[].name got 400 unsupported_parameter."""
+    messages = [{"role": "system", "content": "You answer in one short sentence.", "name": "rules"},
+                {"role": "user", "content": "What is the capital of Italy?", "name": "alice"}]
+    out = client(server).chat.completions.create(model=MODEL, messages=messages, **GREEDY)
+    assert out.choices[0].message.content == reference.chat(messages, SamplingParams(**GREEDY)).text
+
+
 def test_64_concurrent_streams(server, reference):
     prompts = [f"Item {i}: the number {i * 7} written in words is" for i in range(64)]
     refs = [o.text for o in reference.generate(prompts, SamplingParams(temperature=0, max_tokens=8))]
