@@ -3,7 +3,7 @@
     python serve.py --model llama            # http://127.0.0.1:8000/v1
 
 Endpoints: /v1/chat/completions and /v1/completions (SSE streaming or not), /v1/embeddings, /v1/models,
-/health, /metrics (Prometheus text). The engine runs in its own thread; the event loop only parses,
+/health, /metrics (Prometheus, through prometheus_client). The engine runs in its own thread; the event loop only parses,
 validates, tokenizes (in a worker thread) and relays stream chunks, so a slow or malformed request never
 stalls the others. A client that disconnects aborts its engine requests, which frees their KV blocks at
 once. SIGTERM/SIGINT drain: new requests get 503, in-flight ones finish or are aborted within
@@ -35,6 +35,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import ContextLengthError
@@ -78,10 +81,15 @@ class ServerState:
     draining: bool = False
     in_flight: int = 0
     responses_by_code: dict = dataclasses.field(default_factory=dict)
+    registry: CollectorRegistry | None = None       # /metrics; made in __post_init__
     # Tokenization runs on one worker thread: the event loop must never run a long encode itself, and
     # one thread keeps the HF fast tokenizer away from concurrent use by this server.
     worker: ThreadPoolExecutor = dataclasses.field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenize"))
+
+    def __post_init__(self):
+        if self.registry is None:
+            self.registry = metrics_registry(self)
 
     @property
     def model_name(self) -> str:
@@ -379,8 +387,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return Response(prometheus_text(await off_loop(llm.metrics), state),
-                        media_type="text/plain; version=0.0.4; charset=utf-8")
+        # Off the event loop: the engine's collector waits for the engine thread's next step boundary.
+        return Response(await off_loop(generate_latest, state.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -534,50 +542,80 @@ def model_card(state: ServerState) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Prometheus text format (written by hand: the engine's metrics are one dict, read when scraped).
+# /metrics through prometheus_client: the server's own counters, and the engine's metrics read from
+# the engine thread at each scrape.
 
-_COUNTERS = {"prefix_cache_queries", "prefix_cache_hits", "preemptions", "steps", "requests_finished",
-             "requests_aborted"}
-_HELP = {
-    "running": "requests in the running batch", "waiting": "requests queued for admission",
-    "kv_blocks_total": "KV-cache blocks in the pool", "kv_blocks_used": "KV-cache blocks held by requests",
-    "kv_blocks_free": "KV-cache blocks free or evictable",
-    "prefix_cache_queries": "prompt blocks looked up in the prefix cache",
-    "prefix_cache_hits": "prompt blocks found in the prefix cache",
-    "prefix_cache_hit_rate": "prefix-cache hits / queries", "preemptions": "requests preempted (recomputed)",
-    "steps": "engine steps run", "tokens_per_step": "mean tokens per engine step",
-    "host_seconds_per_step": "mean host time per step outside device work and sampling",
-    "requests_finished": "requests finished", "requests_aborted": "requests aborted",
-    "ttft_seconds": "time to first token", "itl_seconds": "inter-token latency",
+# engine.metrics() key -> (Prometheus name, help). Counters get "_total" from prometheus_client.
+ENGINE_GAUGES = {
+    "running": ("microengine_requests_running", "Requests in the engine's running batch."),
+    "waiting": ("microengine_requests_waiting",
+                "Requests queued in the engine for a place in the running batch (the queue depth)."),
+    "kv_blocks_total": ("microengine_kv_cache_capacity_blocks", "KV-cache blocks in the pool."),
+    "kv_blocks_used": ("microengine_kv_cache_used_blocks", "KV-cache blocks held by requests."),
+    "kv_blocks_free": ("microengine_kv_cache_free_blocks", "KV-cache blocks free or evictable."),
+}
+ENGINE_COUNTERS = {
+    "requests_finished": ("microengine_requests_finished", "Requests finished (stop or length)."),
+    "requests_aborted": ("microengine_requests_aborted", "Requests aborted (client gone, shutdown)."),
+    "requests_failed": ("microengine_requests_failed", "Requests failed by an error in the engine."),
+    "preemptions": ("microengine_preemptions", "Requests preempted and later recomputed."),
+    "prefix_cache_queries": ("microengine_prefix_cache_queries", "Prompt blocks looked up in the prefix cache."),
+    "prefix_cache_hits": ("microengine_prefix_cache_hits", "Prompt blocks found in the prefix cache."),
+    "steps": ("microengine_engine_steps", "Engine steps run."),
+    "step_tokens": ("microengine_engine_step_tokens", "Tokens computed by engine steps (prefill and decode)."),
+    "host_seconds": ("microengine_engine_host_seconds",
+                     "Host time of the engine steps, outside the waits for the device."),
+}
+ENGINE_HISTOGRAMS = {
+    "ttft_seconds": ("microengine_time_to_first_token_seconds", "Time from arrival to the first output token."),
+    "itl_seconds": ("microengine_inter_token_latency_seconds", "Time between consecutive output tokens."),
+    "queue_seconds": ("microengine_request_queue_time_seconds",
+                      "Time from arrival to joining the running batch."),
 }
 
 
-def prometheus_text(metrics: dict, state: ServerState) -> str:
-    lines = []
-    for key, value in metrics.items():
-        name = f"microengine_{key}"
-        if isinstance(value, dict):     # a latency summary: count/sum/p50/p99
-            lines += [f"# HELP {name} {_HELP.get(key, key)}", f"# TYPE {name} summary"]
-            for key_q, q in (("p50", "0.5"), ("p99", "0.99")):
-                if value.get(key_q) is not None:
-                    lines.append(f'{name}{{quantile="{q}"}} {_num(value[key_q])}')
-            lines += [f"{name}_sum {_num(value.get('sum', 0))}", f"{name}_count {_num(value.get('count', 0))}"]
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            counter = key in _COUNTERS
-            full = f"{name}_total" if counter else name
-            lines += [f"# HELP {full} {_HELP.get(key, key)}", f"# TYPE {full} {'counter' if counter else 'gauge'}",
-                      f"{full} {_num(value)}"]
-    lines += ["# HELP microengine_http_responses_total HTTP responses sent, by status code",
-              "# TYPE microengine_http_responses_total counter"]
-    lines += [f'microengine_http_responses_total{{code="{code}"}} {n}'
-              for code, n in sorted(state.responses_by_code.items())]
-    lines += ["# HELP microengine_http_in_flight HTTP requests being served",
-              "# TYPE microengine_http_in_flight gauge", f"microengine_http_in_flight {state.in_flight}"]
-    return "\n".join(lines) + "\n"
+class EngineCollector:
+    """The engine's metrics as Prometheus families; collect() blocks on the engine thread."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def collect(self):
+        m = self.llm.metrics()
+        for key, (name, doc) in ENGINE_GAUGES.items():
+            yield GaugeMetricFamily(name, doc, value=m[key])
+        for key, (name, doc) in ENGINE_COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=m[key])
+        for key, (name, doc) in ENGINE_HISTOGRAMS.items():
+            h = m[key]
+            buckets = [(floatToGoString(le), n) for le, n in h["buckets"]] + [("+Inf", h["count"])]
+            yield HistogramMetricFamily(name, doc, buckets=buckets, sum_value=h["sum"])
 
 
-def _num(x) -> str:
-    return repr(float(x)) if isinstance(x, float) else str(x)
+class ServerCollector:
+    """What the server counts itself: HTTP responses by status, and those in flight."""
+
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    def collect(self):
+        state = self.state
+        responses = CounterMetricFamily("microengine_http_responses", "HTTP responses sent, by status code.",
+                                        labels=["code"])
+        for code, n in sorted(dict(state.responses_by_code).items()):
+            responses.add_metric([str(code)], n)
+        yield responses
+        yield GaugeMetricFamily("microengine_http_requests_in_flight", "HTTP requests being served.",
+                                value=state.in_flight)
+
+
+def metrics_registry(state: ServerState) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    registry.register(ServerCollector(state))
+    if state.llm is not None:
+        registry.register(EngineCollector(state.llm))
+    ProcessCollector(registry=registry)
+    return registry
 
 
 # ---------------------------------------------------------------------------------------------------

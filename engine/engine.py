@@ -13,6 +13,8 @@ in step N+1, which is dropped. `overlap=False` reads each step's tokens at once 
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import time
 from collections import deque
@@ -50,22 +52,36 @@ class StreamChunk:
     logprobs: list[TokenLogprob] | None = None
 
 
-class LatencySummary:
-    """Count and sum of all samples; percentiles over the most recent ones."""
+# Histogram bucket bounds (seconds) of the latencies, as Prometheus exports them (serve.py /metrics).
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+QUEUE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
-    def __init__(self, window: int = 10000):
+
+class LatencySummary:
+    """Count and sum of all samples, a cumulative histogram over `buckets`, and percentiles over the
+    most recent samples."""
+
+    def __init__(self, buckets: tuple[float, ...], window: int = 10000):
         self.count, self.total = 0, 0.0
+        self.bounds = buckets
+        self.counts = [0] * len(buckets)    # per bucket, not cumulative
         self.recent: deque[float] = deque(maxlen=window)
 
     def add(self, x: float) -> None:
         self.count += 1
         self.total += x
         self.recent.append(x)
+        i = bisect.bisect_left(self.bounds, x)
+        if i < len(self.counts):
+            self.counts[i] += 1
 
     def summary(self) -> dict:
         ys = sorted(self.recent)
         pct = lambda q: ys[min(len(ys) - 1, int(len(ys) * q))] if ys else 0.0  # noqa: E731
-        return {"count": self.count, "sum": self.total, "p50": pct(0.5), "p99": pct(0.99)}
+        cumulative = list(itertools.accumulate(self.counts))
+        return {"count": self.count, "sum": self.total, "p50": pct(0.5), "p99": pct(0.99),
+                "buckets": list(zip(self.bounds, cumulative))}     # (upper bound, samples <= it)
 
 
 class _Detokenizer:
@@ -111,6 +127,7 @@ class Request:
     detok: _Detokenizer | None
     generator: torch.Generator | None
     arrival_time: float
+    scheduled_time: float | None = None  # when it first joined a step
     last_token_time: float | None = None
 
     @property
@@ -178,7 +195,8 @@ class Engine:
         self.num_penalised = 0      # running requests with penalties: their steps do not overlap
         self.requests: dict[str, Request] = {}
         self.stats = {"steps": 0, "step_tokens": 0, "finished": 0, "aborted": 0, "failed": 0, "host_s": 0.0}
-        self.ttft, self.itl = LatencySummary(), LatencySummary()
+        self.ttft, self.itl = LatencySummary(TTFT_BUCKETS), LatencySummary(ITL_BUCKETS)
+        self.queue_time = LatencySummary(QUEUE_BUCKETS)
         if self.device.type == "cuda":
             # Loading, conversion and graph capture ran on the default stream; the step streams
             # do not sync with it, so everything it queued must be done first (once).
@@ -378,6 +396,12 @@ class Engine:
         slot = self.ring.acquire()
         for name, (data, dtype) in {**plan.fields, **Sampler.fields(params)}.items():
             slot.put(name, data, dtype)
+        now = time.perf_counter()
+        for item in scheduled:
+            req = self.requests[item.seq.request_id]
+            if req.scheduled_time is None:
+                req.scheduled_time = now
+                self.queue_time.add(now - req.arrival_time)
         with s.on(s.compute):
             dev = self.ring.upload(slot)
             batch = plan.batch(dev, self.kv_cache)
@@ -488,6 +512,8 @@ class Engine:
             "preemptions": self.scheduler.num_preemptions, "steps": s["steps"],
             "tokens_per_step": s["step_tokens"] / s["steps"] if s["steps"] else 0.0,
             "host_seconds_per_step": s["host_s"] / s["steps"] if s["steps"] else 0.0,
+            "step_tokens": s["step_tokens"], "host_seconds": s["host_s"],
             "requests_finished": s["finished"], "requests_aborted": s["aborted"], "requests_failed": s["failed"],
             "ttft_seconds": self.ttft.summary(), "itl_seconds": self.itl.summary(),
+            "queue_seconds": self.queue_time.summary(),
         }

@@ -11,63 +11,19 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from serving import MAX_MODEL_LEN, MODEL, ROOT, Server, client, metrics
 
 from engine import LLM, SamplingParams
 
-ROOT = Path(__file__).resolve().parents[1]
-MODEL = "llama"
-MAX_MODEL_LEN = 512
 API_KEY = "test-key-3f9a"
-STARTUP_TIMEOUT_S = 240        # the model loads in seconds, but CI cores are shared
 GREEDY = {"temperature": 0.0, "max_tokens": 12}
-
-
-class Server:
-    def __init__(self, *extra: str):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="serve-", suffix=".log", delete=False)  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "serve.py"), "--model", MODEL, "--port", str(self.port),
-             "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-tokens", "8192", *extra],
-            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-            env={k: v for k, v in os.environ.items() if k != "MICROENGINE_API_KEY"})
-
-    def wait_healthy(self):
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.output()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        pytest.fail(f"server not healthy within {STARTUP_TIMEOUT_S}s:\n{self.output()[-3000:]}")
-
-    def output(self) -> str:
-        self.log.flush()
-        return Path(self.log.name).read_text(errors="replace")
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.log.close()
-        os.unlink(self.log.name)
 
 
 @pytest.fixture(scope="module")
@@ -97,20 +53,6 @@ def server(servers, reference):
 @pytest.fixture(scope="module")
 def keyed_server(servers, reference):
     return servers[1]
-
-
-def client(server: Server, key: str = "unused") -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
-
-
-def metrics(server: Server, headers=None) -> dict[str, float]:
-    text = httpx.get(server.url + "/metrics", headers=headers, timeout=30).text
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -214,11 +156,19 @@ def test_models_embeddings_and_metrics(server, reference):
         assert sum((a - b) ** 2 for a, b in zip(g, r)) ** 0.5 < 1e-4
         assert abs(sum(a * a for a in g) - 1) < 1e-4
     assert emb.usage.prompt_tokens == sum(len(reference.encode_prompt(t)) for t in texts)
-    m = metrics(server)
-    for name in ("microengine_kv_blocks_total", "microengine_requests_finished_total",
-                 'microengine_ttft_seconds{quantile="0.5"}', "microengine_itl_seconds_count"):
-        assert name in m
+    m = metrics(server)         # parsed by prometheus_client's parser, so the exposition is valid
+    for name in ("microengine_kv_cache_capacity_blocks", "microengine_requests_finished_total",
+                 "microengine_requests_waiting",
+                 'microengine_time_to_first_token_seconds_bucket{le="+Inf"}',
+                 "microengine_inter_token_latency_seconds_count", "microengine_request_queue_time_seconds_sum",
+                 'microengine_http_responses_total{code="200"}', "process_cpu_seconds_total"):
+        assert name in m, name
     assert m["microengine_requests_finished_total"] > 0
+    for histogram in ("time_to_first_token", "inter_token_latency", "request_queue_time"):
+        name = f"microengine_{histogram}_seconds"
+        buckets = sorted((float(k.split('le="')[1][:-2]), v) for k, v in m.items() if k.startswith(name + "_bucket"))
+        counts = [v for _, v in buckets]
+        assert len(counts) > 5 and counts == sorted(counts) and counts[-1] == m[name + "_count"] > 0
 
 
 def test_tiny_temperatures_sample_greedily(server, reference):
@@ -455,7 +405,7 @@ def test_malformed_requests_get_openai_errors(server, reference):
 
 def test_disconnects_abort_and_free_blocks(server, reference):
     before = metrics(server)
-    assert before["microengine_running"] == 0
+    assert before["microengine_requests_running"] == 0
 
     async def connect_and_leave(http, i):
         body = {"model": MODEL, "prompt": f"Story {i}: once upon a time", "max_tokens": 400,
@@ -482,15 +432,15 @@ def test_disconnects_abort_and_free_blocks(server, reference):
     deadline = time.monotonic() + 30
     while True:
         m = metrics(server)
-        if m["microengine_running"] == 0 and m["microengine_waiting"] == 0:
+        if m["microengine_requests_running"] == 0 and m["microengine_requests_waiting"] == 0:
             break
         assert time.monotonic() < deadline, f"requests still running: {m}"
         time.sleep(0.1)
     assert m["microengine_requests_aborted_total"] - before["microengine_requests_aborted_total"] == 22
     assert m["microengine_requests_finished_total"] == before["microengine_requests_finished_total"]
     # Prefix-cached blocks of the aborted prompts count as free (evictable) in the engine's pool.
-    assert m["microengine_kv_blocks_used"] == before["microengine_kv_blocks_used"] == 0
-    assert m["microengine_kv_blocks_free"] == m["microengine_kv_blocks_total"]
+    assert m["microengine_kv_cache_used_blocks"] == before["microengine_kv_cache_used_blocks"] == 0
+    assert m["microengine_kv_cache_free_blocks"] == m["microengine_kv_cache_capacity_blocks"]
 
 
 def test_cli_has_every_engine_option():
