@@ -158,7 +158,7 @@ def test_models_embeddings_and_metrics(server, reference):
     assert emb.usage.prompt_tokens == sum(len(reference.encode_prompt(t)) for t in texts)
     m = metrics(server)         # parsed by prometheus_client's parser, so the exposition is valid
     for name in ("microengine_kv_cache_capacity_blocks", "microengine_requests_finished_total",
-                 "microengine_requests_waiting",
+                 "microengine_requests_waiting", "microengine_requests_rejected_total",
                  'microengine_time_to_first_token_seconds_bucket{le="+Inf"}',
                  "microengine_inter_token_latency_seconds_count", "microengine_request_queue_time_seconds_sum",
                  'microengine_http_responses_total{code="200"}', "process_cpu_seconds_total"):
@@ -452,7 +452,8 @@ def test_cli_has_every_engine_option():
         if f.name != "extra":
             assert "--" + f.name.replace("_", "-") in out.stdout, f.name
     for flag in ("--host", "--port", "--api-key", "--shutdown-timeout", "--max-request-bytes",
-                 "--allocator", "--memory-release"):
+                 "--max-queued-requests", "--allowed-hosts", "--header-timeout", "--body-timeout",
+                 "--max-connections", "--allocator", "--memory-release"):
         assert flag in out.stdout
 
 
