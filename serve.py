@@ -351,6 +351,8 @@ async def open_streams(state: ServerState, prompts: list[list[int]], req, reques
         err = engine_error(exc)
         if err.param == "prompt" and isinstance(req, ChatCompletionRequest):
             err.param = "messages"
+        elif err.param in ("json_schema", "json_object"):      # SamplingParams' names for it
+            err.param = "response_format"
         raise err from None
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -127,12 +128,15 @@ class Request:
     detok: _Detokenizer | None
     generator: torch.Generator | None
     arrival_time: float
+    matcher: object | None = None        # the grammar's state, for a constrained request
     scheduled_time: float | None = None  # when it first joined a step
     last_token_time: float | None = None
 
     @property
-    def penalised(self) -> bool:
-        return bool(self.seq.params.presence_penalty or self.seq.params.frequency_penalty)
+    def serial(self) -> bool:
+        """Whether its next step needs all its earlier tokens on the host (penalties, a grammar)."""
+        return bool(self.seq.params.presence_penalty or self.seq.params.frequency_penalty
+                    or self.matcher is not None)
 
 
 @dataclass(eq=False)
@@ -192,11 +196,13 @@ class Engine:
         self.ring = PinnedRing(3, 1 << 16, self.streams)
         self.readback = TokenReadback(self.streams, num_slots=2)
         self.in_flight: InFlight | None = None
-        self.num_penalised = 0      # running requests with penalties: their steps do not overlap
+        self.num_serial = 0         # requests whose steps must not overlap (Request.serial)
         self.requests: dict[str, Request] = {}
         self.stats = {"steps": 0, "step_tokens": 0, "finished": 0, "aborted": 0, "failed": 0, "host_s": 0.0}
         self.ttft, self.itl = LatencySummary(TTFT_BUCKETS), LatencySummary(ITL_BUCKETS)
         self.queue_time = LatencySummary(QUEUE_BUCKETS)
+        self._grammars = None       # engine.structured_output.Grammars, made on first use
+        self._grammars_lock = threading.Lock()      # validate() runs on the callers' threads
         if self.device.type == "cuda":
             # Loading, conversion and graph capture ran on the default stream; the step streams
             # do not sync with it, so everything it queued must be done first (once).
@@ -306,7 +312,16 @@ class Engine:
         if bad:
             raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary "
                              f"(0..{self.model_config.vocab_size - 1})")
+        if params.constrained:
+            self.grammars().compile(params)     # a schema it cannot compile is refused here
         return max_tokens
+
+    def grammars(self):
+        with self._grammars_lock:
+            if self._grammars is None:
+                from engine.structured_output import Grammars
+                self._grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_ids)
+            return self._grammars
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink) -> None:
         max_tokens = self.validate(prompt_ids, params)
@@ -318,15 +333,16 @@ class Engine:
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
-        req = self.requests[request_id] = Request(seq, sink, detok, gen, time.perf_counter())
-        self.num_penalised += req.penalised
+        matcher = self.grammars().matcher(params) if params.constrained else None
+        req = self.requests[request_id] = Request(seq, sink, detok, gen, time.perf_counter(), matcher)
+        self.num_serial += req.serial
         self.scheduler.add(seq)
 
     def _drop(self, req: Request, reason: str) -> None:
         """The request leaves: its blocks go back to the pool at once."""
         self.scheduler.finish(req.seq, reason)
         del self.requests[req.seq.request_id]
-        self.num_penalised -= req.penalised
+        self.num_serial -= req.serial
 
     def abort(self, request_id: str) -> None:
         req = self.requests.get(request_id)
@@ -367,8 +383,8 @@ class Engine:
         """Queue one step on the GPU and hand out the tokens of the step before it; returns the
         number of tokens the new step computes (0 if there was nothing to schedule)."""
         t_start, self._waited = time.perf_counter(), 0.0
-        # Penalties need every earlier token on the host: such steps are serialised.
-        overlap = self.config.overlap and not self.num_penalised
+        # Penalties and grammars need every earlier token on the host: such steps are serialised.
+        overlap = self.config.overlap and not self.num_serial
         if self.in_flight is not None and not overlap:
             self._finish(self.in_flight)
         scheduled = self.scheduler.schedule()
@@ -396,6 +412,8 @@ class Engine:
         slot = self.ring.acquire()
         for name, (data, dtype) in {**plan.fields, **Sampler.fields(params)}.items():
             slot.put(name, data, dtype)
+        if any(r.matcher is not None for r in reqs):     # serial steps: every matcher is up to date
+            slot.put("token_bitmask", self.grammars().bitmask([r.matcher for r in reqs]), torch.int32)
         now = time.perf_counter()
         for item in scheduled:
             req = self.requests[item.seq.request_id]
@@ -458,7 +476,9 @@ class Engine:
             self.itl.add(now - req.last_token_time)
         req.last_token_time = now
         reason = None
-        if not params.ignore_eos and token in self.eos_ids:
+        if req.matcher is not None and (not req.matcher.accept_token(token) or req.matcher.is_terminated()):
+            reason = "stop"     # the grammar is complete (a refused token cannot be sampled: it is masked)
+        elif not params.ignore_eos and token in self.eos_ids:
             reason = "stop"
         elif params.stop_token_ids and token in params.stop_token_ids:
             reason = "stop"

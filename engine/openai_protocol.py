@@ -2,8 +2,8 @@
 (choices, usage, logprobs, SSE frames). serve.py does the HTTP and drives the engine.
 
 Every request is parsed from raw bytes by pydantic in strict mode with unknown fields forbidden, so a
-parameter this server does not implement (tools, response_format, logit_bias, echo, ...) is refused with
-a 400 that names it instead of being silently ignored. Errors carry OpenAI's body:
+parameter this server does not implement (tools, logit_bias, echo, ...) is refused with a 400 that names
+it instead of being silently ignored. Errors carry OpenAI's body:
 {"error": {"message", "type", "param", "code"}}.
 """
 from __future__ import annotations
@@ -96,6 +96,35 @@ class StreamOptions(_Strict):
 StopField = str | list[str] | None
 
 
+class JSONSchemaFormat(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """text (free), json_object (any JSON object) or json_schema (JSON following the schema); the
+    last two through constrained decoding (engine/structured_output.py)."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_format(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise _field_error("response_format.json_schema", "required when type is 'json_schema'")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise _field_error("response_format.json_schema", "only allowed when type is 'json_schema'")
+        return self
+
+    def sampling_kwargs(self) -> dict:
+        if self.type == "json_schema" and self.json_schema.schema_ is not None:
+            return {"json_schema": self.json_schema.schema_}
+        if self.type == "text":
+            return {}
+        return {"json_object": True}        # json_object, or a json_schema without a schema
+
+
 class _SamplingRequest(_Strict):
     """The sampling parameters common to chat and text completions."""
     model: str
@@ -112,6 +141,7 @@ class _SamplingRequest(_Strict):
     user: str | None = None                      # accepted for API compatibility; only logged
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _check_common(self):
@@ -144,7 +174,8 @@ class _SamplingRequest(_Strict):
             max_tokens=self.output_limit(), temperature=self.temperature, top_p=self.top_p,
             top_k=max(self.top_k, 0), seed=None if self.seed is None else self.seed + choice_index,
             stop=self.stop_list(), ignore_eos=self.ignore_eos, logprobs=self.engine_logprobs(),
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            **(self.response_format.sampling_kwargs() if self.response_format is not None else {}))
 
     def output_limit(self) -> int | None:
         return self.max_tokens
@@ -246,7 +277,7 @@ def parse_request(model_cls: type[_Strict], raw: bytes):
 
 # Union members show up in pydantic's error locations as type tags ("str", "list[int]", ...).
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "ChatMessage", "TextPart",
-              "StreamOptions"}
+              "StreamOptions", "ResponseFormat", "JSONSchemaFormat"}
 
 
 def _param_name(loc: tuple) -> str | None:

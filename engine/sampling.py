@@ -6,6 +6,7 @@ from its own generator, so its tokens do not depend on what else is in the batch
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +44,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     detokenize: bool = True                # False: token ids only (benchmarks)
+    # Constrained decoding (engine/structured_output.py): the output is JSON that follows this JSON
+    # schema (a dict, or its JSON text), or with json_object any JSON object.
+    json_schema: dict | str | None = None
+    json_object: bool = False
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -85,7 +90,7 @@ class SamplingParams:
                 wrong_type(name, "a number in [-2, 2]")
             if not -2 <= getattr(self, name) <= 2:
                 bad(name, "must be in [-2, 2]")
-        for name in ("ignore_eos", "detokenize"):
+        for name in ("ignore_eos", "detokenize", "json_object"):
             if not isinstance(getattr(self, name), bool):
                 wrong_type(name, "True or False")
         if isinstance(self.stop, str):
@@ -104,10 +109,29 @@ class SamplingParams:
                 wrong_type("stop_token_ids", "a list of token ids or None")
             if any(t < 0 for t in self.stop_token_ids):
                 bad("stop_token_ids", "must be a list of non-negative token ids")
+        if self.json_schema is not None:
+            if isinstance(self.json_schema, str):
+                try:
+                    schema = json.loads(self.json_schema)
+                except ValueError as e:
+                    bad("json_schema", f"is not valid JSON: {e}")
+            elif isinstance(self.json_schema, dict):
+                schema = self.json_schema
+            else:
+                wrong_type("json_schema", "a JSON schema as a dict or as JSON text, or None")
+            if not isinstance(schema, dict):
+                bad("json_schema", "must be a JSON object")
+            if self.json_object:
+                raise ValueError("json_object: give json_schema or json_object, not both")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a grammar constrains the output (json_schema or json_object)."""
+        return self.json_schema is not None or self.json_object
 
 
 @dataclass
@@ -143,6 +167,8 @@ class Sampler:
         [tokens [B] int64] and, if any row wants logprobs, [chosen [B], top values [B, k] fp32,
         top ids [B, k] int64] after it. `histories` are the output tokens so far (penalties)."""
         logits = self._apply_penalties(logits, params, histories)
+        if "token_bitmask" in dev:      # constrained rows (engine/structured_output.py)
+            logits = apply_token_bitmask(logits, dev["token_bitmask"])
         if all(p.greedy for p in params):
             tokens = logits.argmax(-1)
         else:
@@ -206,3 +232,13 @@ def _top_k_top_p(probs, top_k, top_p):
     keep[:, 0] = True
     return torch.zeros_like(probs).scatter_(1, order, sorted_p * keep)
 
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """The logits with -inf where a packed bitmask excludes the token: bit j of word w allows token
+    32 * w + j (xgrammar's layout); bitmask: [B, ceil(V / 32)] int32, all ones for a free row."""
+    bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)
+    vocab = logits.shape[1]
+    if allowed.shape[1] < vocab:        # LM-head padding past the tokenizer's vocabulary
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    return logits.masked_fill(~allowed[:, :vocab], float("-inf"))

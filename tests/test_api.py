@@ -1,5 +1,6 @@
 """The library API: sampling controls, stop conditions, streaming, and refusal of bad input."""
 import asyncio
+import json
 import threading
 
 import pytest
@@ -155,6 +156,8 @@ def test_bad_arguments_name_the_parameter(llm, call, error, match):
     ({"seed": 2**80}, ValueError, "seed"), ({"seed": "7"}, TypeError, "seed"),
     ({"temperature": "hot"}, TypeError, "temperature"), ({"max_tokens": 2.0}, TypeError, "max_tokens"),
     ({"logprobs": True}, TypeError, "logprobs"), ({"stop_token_ids": 5}, TypeError, "stop_token_ids"),
+    ({"json_schema": "{not json"}, ValueError, "json_schema"), ({"json_schema": 3}, TypeError, "json_schema"),
+    ({"json_schema": {}, "json_object": True}, ValueError, "json_object"),
 ])
 def test_bad_sampling_params_types(kwargs, error, name):
     with pytest.raises(error, match=f"^{name}: "):
@@ -244,3 +247,34 @@ def test_a_dead_engine_thread_fails_every_caller(monkeypatch):
     with pytest.raises(RuntimeError, match="engine thread stopped"):
         _within(dying.metrics)
     _within(lambda: dying.shutdown(1))
+
+
+PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                                  "tags": {"type": "array", "items": {"type": "string"},
+                                                           "maxItems": 2}},
+                 "required": ["name", "age", "tags"]}
+
+
+def _is_person(obj) -> bool:
+    return (isinstance(obj, dict) and set(obj) == {"name", "age", "tags"} and isinstance(obj["name"], str)
+            and isinstance(obj["age"], int) and all(isinstance(t, str) for t in obj["tags"]))
+
+
+def test_json_schema_constrains_the_output(llm):
+    prompt = "Describe a person."        # no hint of JSON: the grammar alone makes the output JSON
+    outs = llm.generate([prompt, prompt, prompt], [
+        SamplingParams(max_tokens=120, temperature=0, json_schema=PERSON_SCHEMA),
+        SamplingParams(max_tokens=120, temperature=0.9, seed=5, json_schema=json.dumps(PERSON_SCHEMA)),
+        SamplingParams(max_tokens=12, temperature=0)])
+    for out in outs[:2]:
+        assert out.finish_reason == "stop" and _is_person(json.loads(out.text)), out.text
+    # A free request in the same batch is untouched.
+    assert outs[2].token_ids == llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0].token_ids
+    obj = llm.chat([{"role": "user", "content": 'Reply with the JSON object {"ok": true}.'}],
+                   SamplingParams(max_tokens=120, temperature=0, json_object=True))
+    assert obj.finish_reason == "stop" and isinstance(json.loads(obj.text), dict), obj.text
+
+
+def test_unsupported_json_schema_is_refused(llm):
+    with pytest.raises(ValueError, match="^json_schema: this schema is not supported"):
+        llm.generate(["hi"], SamplingParams(max_tokens=4, json_schema={"type": "no-such-type"}))

@@ -271,6 +271,31 @@ def test_message_name_is_accepted(server, reference):
     assert out.choices[0].message.content == reference.chat(messages, SamplingParams(**GREEDY)).text
 
 
+PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+                 "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_response_format_constrains_the_output(server, reference):
+    """response_format json_schema and json_object, through constrained decoding (xgrammar)."""
+    c = client(server)
+    messages = [{"role": "user", "content": "Describe a person."}]
+    ref = reference.chat(messages, SamplingParams(temperature=0, max_tokens=120, json_schema=PERSON_SCHEMA))
+    out = c.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=120,
+                                    response_format={"type": "json_schema", "json_schema": {
+                                        "name": "person", "schema": PERSON_SCHEMA, "strict": True}})
+    person = json.loads(out.choices[0].message.content)
+    assert out.choices[0].message.content == ref.text and out.choices[0].finish_reason == "stop"
+    assert set(person) == {"name", "age"} and isinstance(person["name"], str) and isinstance(person["age"], int)
+
+    text, finish = "", None
+    for chunk in c.completions.create(model=MODEL, prompt="A small JSON object:", temperature=0, max_tokens=120,
+                                      stream=True, extra_body={"response_format": {"type": "json_object"}}):
+        for ch in chunk.choices:
+            text += ch.text
+            finish = ch.finish_reason or finish
+    assert finish == "stop" and isinstance(json.loads(text), dict), text
+
+
 def test_64_concurrent_streams(server, reference):
     prompts = [f"Item {i}: the number {i * 7} written in words is" for i in range(64)]
     refs = [o.text for o in reference.generate(prompts, SamplingParams(temperature=0, max_tokens=8))]
@@ -351,7 +376,11 @@ def _malformed_cases(long_prompt: str):
          "stream_options"),
         ("user not a string", *chat(user=5), 400, "user"),
         ("tools", *chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
-        ("response_format", *chat(response_format={"type": "json_object"}), 400, "response_format"),
+        ("response_format type", *chat(response_format={"type": "yaml"}), 400, "response_format.type"),
+        ("response_format without schema", *chat(response_format={"type": "json_schema"}), 400,
+         "response_format.json_schema"),
+        ("unsupported json schema", *comp(response_format={"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "no-such-type"}}}), 400, "response_format"),
         ("logit_bias", *comp(logit_bias={"50256": -100}), 400, "logit_bias"),
         ("echo", *comp(echo=True), 400, "echo"),
         ("suffix", *comp(suffix="!"), 400, "suffix"),
