@@ -2,11 +2,16 @@
 
     python serve.py --model llama            # http://127.0.0.1:8000/v1
 
-Endpoints: /v1/chat/completions and /v1/completions (SSE streaming or not), /v1/embeddings, /v1/models,
-/health, /metrics (Prometheus, through prometheus_client). The engine runs in its own thread; the event loop only parses,
-validates, tokenizes (in a worker thread) and relays stream chunks, so a slow or malformed request never
-stalls the others. A client that disconnects aborts its engine requests, which frees their KV blocks at
-once. SIGTERM/SIGINT drain: new requests get 503, in-flight ones finish or are aborted within
+Endpoints: /v1/chat/completions and /v1/completions (SSE streaming or not; response_format json_object /
+json_schema by constrained decoding), /v1/embeddings, /v1/models, /health, /metrics (Prometheus, through
+prometheus_client). The engine runs in its own thread; the event loop only parses, validates, tokenizes
+(in a worker thread) and relays stream chunks, so a slow or malformed request never stalls the others. A
+client that disconnects aborts its engine requests, which frees their KV blocks at once.
+
+In front of the app: the Host header must name this server (DNS rebinding), POST bodies must be JSON,
+slow senders are cut (--header-timeout, --body-timeout), connections are capped (--max-connections), and
+past the admission limit (--max-num-seqs running + --max-queued-requests waiting) requests get 429 with
+Retry-After. SIGTERM/SIGINT drain: new requests get 503, in-flight ones finish or are aborted within
 --shutdown-timeout, then the process exits 0.
 """
 from __future__ import annotations
