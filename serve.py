@@ -2,11 +2,16 @@
 
     python serve.py --model llama            # http://127.0.0.1:8000/v1
 
-Endpoints: /v1/chat/completions and /v1/completions (SSE streaming or not), /v1/embeddings, /v1/models,
-/health, /metrics (Prometheus text). The engine runs in its own thread; the event loop only parses,
-validates, tokenizes (in a worker thread) and relays stream chunks, so a slow or malformed request never
-stalls the others. A client that disconnects aborts its engine requests, which frees their KV blocks at
-once. SIGTERM/SIGINT drain: new requests get 503, in-flight ones finish or are aborted within
+Endpoints: /v1/chat/completions and /v1/completions (SSE streaming or not; response_format json_object /
+json_schema by constrained decoding), /v1/embeddings, /v1/models, /health, /metrics (Prometheus, through
+prometheus_client). The engine runs in its own thread; the event loop only parses, validates, tokenizes
+(in a worker thread) and relays stream chunks, so a slow or malformed request never stalls the others. A
+client that disconnects aborts its engine requests, which frees their KV blocks at once.
+
+In front of the app: the Host header must name this server (DNS rebinding), POST bodies must be JSON,
+slow senders are cut (--header-timeout, --body-timeout), connections are capped (--max-connections), and
+past the admission limit (--max-num-seqs running + --max-queued-requests waiting) requests get 429 with
+Retry-After. SIGTERM/SIGINT drain: new requests get 503, in-flight ones finish or are aborted within
 --shutdown-timeout, then the process exits 0.
 """
 from __future__ import annotations
@@ -17,6 +22,7 @@ import base64
 import contextlib
 import dataclasses
 import hmac
+import ipaddress
 import json
 import logging
 import os
@@ -29,13 +35,19 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import h11
 import uvicorn
 import uvloop
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from engine import ContextLengthError
 from engine.memory import allocator
@@ -46,6 +58,7 @@ from engine.openai_protocol import (
     Choice,
     CompletionRequest,
     EmbeddingRequest,
+    TextOffsets,
     TokenText,
     chat_logprobs,
     completion_logprobs,
@@ -59,11 +72,95 @@ from engine.openai_protocol import (
 log = logging.getLogger("microengine.serve")
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+DEFAULT_MAX_QUEUED_REQUESTS = 128
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_MAX_CONNECTIONS = 2048
+RETRY_AFTER_S = 1          # what a 429 tells the client to wait: the queue turns over in seconds
 _FINISH = {"stop": "stop", "length": "length"}   # the engine's "abort" is never shown as a finish reason
 
 
 # ---------------------------------------------------------------------------------------------------
-# Server state and the gate in front of the app: auth, draining, in-flight count, status counters.
+# Server state and the gate in front of the app: host and content-type checks, auth, draining,
+# in-flight count, status counters.
+
+class Admission:
+    """Load shedding: at most `limit` engine requests (one per prompt and choice) running or queued.
+    Past it a request is refused with 429 before any work is done for it, so the admitted ones keep
+    their latency. A request that alone exceeds the limit still runs when nothing else does."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.streams: list = []         # engine streams admitted and not yet done
+        self.reserved = 0               # requests admitted and still being tokenized
+        self.rejected = 0
+
+    def in_flight(self) -> int:
+        self.streams = [s for s in self.streams if not s.done]
+        return len(self.streams) + self.reserved
+
+    def count(self) -> int:
+        """in_flight() without pruning, for a scrape on another thread."""
+        return sum(not s.done for s in list(self.streams)) + self.reserved
+
+    @contextlib.contextmanager
+    def reserve(self, count: int):
+        """Hold `count` places while the request is tokenized; open_streams turns them into streams."""
+        busy = self.in_flight()
+        if busy and busy + count > self.limit:
+            self.rejected += 1
+            raise APIError(429, f"The server is at capacity ({busy} requests running or queued, the limit is "
+                                f"{self.limit}); retry after {RETRY_AFTER_S}s.", type="rate_limit_error",
+                           code="server_overloaded", headers={"retry-after": str(RETRY_AFTER_S)})
+        self.reserved += count
+        try:
+            yield
+        finally:
+            self.reserved -= count
+
+
+class HostCheck:
+    """Which Host headers a request may carry (DNS rebinding: a web page whose name resolves to this
+    machine must not reach a server bound to loopback). Allowed: the bound address, 'localhost' when
+    that is a loopback address, and the names given with --allowed-hosts ('*': any). A server bound to
+    every interface (0.0.0.0, ::) also takes any IP address, which no rebinding can forge."""
+
+    def __init__(self, bound_host: str, extra: list[str] = ()):
+        self.any = "*" in extra
+        names = {_host_key(bound_host), *(_host_key(h) for h in extra)}
+        try:
+            ip = ipaddress.ip_address(bound_host.strip("[]"))
+        except ValueError:
+            ip = None
+        if ip is not None and ip.is_loopback:
+            names |= {"localhost", "127.0.0.1", "[::1]"}
+        self.any_ip = ip is not None and ip.is_unspecified
+        self.names = frozenset(names)
+
+    def allows(self, host: str | None) -> bool:
+        if self.any or host is None:    # no Host header: HTTP/1.0, never a browser
+            return True
+        key = _host_key(host)
+        if key in self.names:
+            return True
+        if self.any_ip:
+            try:
+                ipaddress.ip_address(key.strip("[]"))
+                return True
+            except ValueError:
+                return False
+        return False
+
+
+def _host_key(host: str) -> str:
+    """A Host header's (or host name's) name without its port, lower case; IPv6 in brackets."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[:host.find("]") + 1]
+    if host.count(":") > 1:             # a bare IPv6 address
+        return f"[{host}]"
+    return host.rsplit(":", 1)[0] if ":" in host else host
+
 
 @dataclasses.dataclass
 class ServerState:
@@ -73,14 +170,22 @@ class ServerState:
     max_request_bytes: int
     shutdown_timeout: float
     sampling_params: type             # engine.SamplingParams
+    admission: Admission = dataclasses.field(default_factory=lambda: Admission(1 << 30))
+    hosts: HostCheck = dataclasses.field(default_factory=lambda: HostCheck("127.0.0.1", ["*"]))
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_S
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     draining: bool = False
     in_flight: int = 0
     responses_by_code: dict = dataclasses.field(default_factory=dict)
+    registry: CollectorRegistry | None = None       # /metrics; made in __post_init__
     # Tokenization runs on one worker thread: the event loop must never run a long encode itself, and
     # one thread keeps the HF fast tokenizer away from concurrent use by this server.
     worker: ThreadPoolExecutor = dataclasses.field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenize"))
+
+    def __post_init__(self):
+        if self.registry is None:
+            self.registry = metrics_registry(self)
 
     @property
     def model_name(self) -> str:
@@ -105,6 +210,11 @@ class Gate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         state = self.state
+        if not state.hosts.allows(_header(scope, b"host")):
+            self._count(400)
+            return await _send_json(send, 400, error_body(
+                "The Host header names a host this server does not serve (see --allowed-hosts).",
+                code="invalid_host"), ((b"connection", b"close"),))
         if state.draining:
             self._count(503)
             return await _send_json(send, 503, error_body(
@@ -115,6 +225,12 @@ class Gate:
             return await _send_json(send, 401, error_body(
                 "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                 code="invalid_api_key"), ((b"www-authenticate", b"Bearer"),))
+        if scope["method"] == "POST" and not _is_json(_header(scope, b"content-type")):
+            # Also what keeps browsers out: a cross-site POST without a CORS preflight cannot be JSON.
+            self._count(415)
+            return await _send_json(send, 415, error_body(
+                f"Unsupported Content-Type {_header(scope, b'content-type')!r}: send the body as "
+                "application/json.", code="unsupported_media_type"), ((b"connection", b"close"),))
         status = 500
 
         async def send_counting(message):
@@ -131,36 +247,65 @@ class Gate:
             self._count(status)
 
     def _authorized(self, scope) -> bool:
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                scheme, _, token = value.decode("latin-1").partition(" ")
-                return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
-                                                                          self.state.api_key.encode())
-        return False
+        value = _header(scope, b"authorization")
+        if value is None:
+            return False
+        scheme, _, token = value.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.state.api_key.encode())
 
     def _count(self, status: int):
-        codes = self.state.responses_by_code
-        codes[status] = codes.get(status, 0) + 1
+        Gate.count(self.state, status)
+
+    @staticmethod
+    def count(state: ServerState, status: int):
+        state.responses_by_code[status] = state.responses_by_code.get(status, 0) + 1
+
+
+def _header(scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+def _is_json(content_type: str | None) -> bool:
+    return content_type is not None and content_type.split(";")[0].strip().lower() == "application/json"
 
 
 # ---------------------------------------------------------------------------------------------------
 # Request helpers.
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, or 413 past `limit`. An oversized body is still read (up to 16x the limit, without
-    keeping it) so the client sees the 413 instead of a connection reset in the middle of its upload."""
+async def read_body(request: Request, state: ServerState) -> bytes:
+    """The body; 413 past --max-request-bytes, 408 if it does not arrive within --body-timeout. An
+    oversized body is still read (up to 16x the limit, without keeping it) so the client sees the 413
+    instead of a connection reset in the middle of its upload."""
+    limit = state.max_request_bytes
     declared = request.headers.get("content-length")
     too_large = declared is not None and declared.isdigit() and int(declared) > limit
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            too_large = True
-            chunks.clear()
-            if size > 16 * limit:
-                break
-        elif not too_large:
-            chunks.append(chunk)
+    chunks = []
+
+    async def read():
+        nonlocal too_large
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                too_large = True
+                chunks.clear()
+                if size > 16 * limit:
+                    break
+            elif not too_large:
+                chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), state.body_timeout)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"The request body did not arrive within {state.body_timeout:g}s.",
+                       code="request_timeout", headers={"connection": "close"}) from None
+    except ClientDisconnect:
+        # The client went away mid-upload: nobody is left to read this, and it is no server error.
+        raise APIError(400, "The client closed the connection before the request body was complete.",
+                       code="incomplete_body") from None
     if too_large:
         raise APIError(413, f"The request body is larger than the limit of {limit} bytes.",
                        code="request_too_large")
@@ -202,13 +347,17 @@ async def open_streams(state: ServerState, prompts: list[list[int]], req, reques
         return streams
 
     try:
-        return await off_loop(admit)
+        streams = await off_loop(admit)
+        state.admission.streams += streams
+        return streams
     except RuntimeError as exc:     # the engine stopped admitting (shutdown)
         raise APIError(503, str(exc), type="server_error", code="server_shutting_down") from None
     except ValueError as exc:
         err = engine_error(exc)
         if err.param == "prompt" and isinstance(req, ChatCompletionRequest):
             err.param = "messages"
+        elif err.param in ("json_schema", "json_object"):      # SamplingParams' names for it
+            err.param = "response_format"
         raise err from None
 
 
@@ -240,7 +389,8 @@ def off_loop(fn, *args) -> asyncio.Future:
 
 
 async def merge_streams(streams: list):
-    """Yield (choice index, chunk) from several engine streams as chunks arrive."""
+    """Yield (choice index, chunk) from several engine streams as chunks arrive; raises the exception
+    the engine failed a stream with."""
     if len(streams) == 1:
         async for chunk in streams[0]:
             yield 0, chunk
@@ -252,6 +402,8 @@ async def merge_streams(streams: list):
         try:
             async for chunk in stream:
                 queue.put_nowait((index, chunk))
+        except Exception as exc:  # noqa: BLE001 - re-raised by the consumer below
+            queue.put_nowait((index, exc))
         finally:
             queue.put_nowait((index, done))
 
@@ -262,8 +414,8 @@ async def merge_streams(streams: list):
             index, item = await queue.get()
             if item is done:
                 remaining -= 1
-                if tasks[index].done() and tasks[index].exception() is not None:
-                    raise tasks[index].exception()
+            elif isinstance(item, Exception):
+                raise item
             else:
                 yield index, item
     finally:
@@ -299,6 +451,13 @@ SHUTDOWN_ABORT = error_body("The request was aborted because the server is shutt
                             type="server_error", code="server_shutting_down")
 
 
+def engine_failure(exc: Exception) -> APIError:
+    """A request the engine failed (an error inside the engine thread): a 500 that says so."""
+    log.error("the engine failed a request: %s: %s", type(exc).__name__, exc)
+    return APIError(500, f"The engine failed while running this request ({type(exc).__name__}: {exc}).",
+                    type="server_error", code="engine_error")
+
+
 async def collect(request: Request, streams: list) -> list[Choice] | None:
     """Run the streams to completion for a non-streaming response. Returns None when the client went
     away first (the streams are then aborted)."""
@@ -325,7 +484,11 @@ async def collect(request: Request, streams: list) -> list[Choice] | None:
         work.cancel()
         abort_unfinished(streams, choices)
         return None
-    work.result()
+    try:
+        work.result()
+    except Exception as exc:  # noqa: BLE001
+        abort_unfinished(streams, choices)
+        raise engine_failure(exc) from None
     if any(c.finish_reason == "abort" for c in choices):
         raise APIError(503, SHUTDOWN_ABORT["error"]["message"], type="server_error",
                        code="server_shutting_down")
@@ -342,7 +505,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(_request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request, exc: RequestValidationError):
@@ -378,19 +541,20 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return Response(prometheus_text(await off_loop(llm.metrics), state),
-                        media_type="text/plain; version=0.0.4; charset=utf-8")
+        # Off the event loop: the engine's collector waits for the engine thread's next step boundary.
+        return Response(await off_loop(generate_latest, state.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse_request(ChatCompletionRequest, await read_body(request, state.max_request_bytes))
+        req = parse_request(ChatCompletionRequest, await read_body(request, state))
         check_model(state, req.model)
-        try:
-            prompt = await in_worker(llm.encode_chat, req.message_dicts())
-        except (ValueError, TemplateError) as exc:   # a template may refuse a conversation (raise_exception)
-            raise APIError(400, f"messages: {exc}", param="messages", code="invalid_value") from None
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await open_streams(state, [prompt], req, request_id)
+        with state.admission.reserve(req.n):
+            try:
+                prompt = await in_worker(llm.encode_chat, req.message_dicts())
+            except (ValueError, TemplateError) as exc:   # a template may refuse a conversation (raise_exception)
+                raise APIError(400, f"messages: {exc}", param="messages", code="invalid_value") from None
+            request_id = f"chatcmpl-{uuid.uuid4().hex}"
+            streams = await open_streams(state, [prompt], req, request_id)
         if req.stream:
             choices = [Choice() for _ in streams]
             return EventStream(chat_events(req, streams, choices, request_id), streams, choices)
@@ -415,38 +579,42 @@ def create_app(state: ServerState) -> FastAPI:
 
         yield frame([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(len(streams))])
-        async for i, chunk in merge_streams(streams):
-            choices[i].add(chunk)
-            if chunk.finish_reason == "abort":
-                yield sse(SHUTDOWN_ABORT)
-                break
-            lp = chat_logprobs(chunk.logprobs, token_text) if req.logprobs and chunk.logprobs else None
-            if chunk.text or lp is not None:
-                yield frame([{"index": i, "delta": {"content": chunk.text}, "logprobs": lp,
-                              "finish_reason": None}])
-            if chunk.finish_reason is not None:
-                yield frame([{"index": i, "delta": {}, "logprobs": None,
-                              "finish_reason": _FINISH[chunk.finish_reason]}])
-        else:
-            if include_usage:
-                yield sse({**head, "choices": [], "usage": usage(choices, req.n)})
+        try:
+            async for i, chunk in merge_streams(streams):
+                choices[i].add(chunk)
+                if chunk.finish_reason == "abort":
+                    yield sse(SHUTDOWN_ABORT)
+                    break
+                lp = chat_logprobs(chunk.logprobs, token_text) if req.logprobs and chunk.logprobs else None
+                if chunk.text or lp is not None:
+                    yield frame([{"index": i, "delta": {"content": chunk.text}, "logprobs": lp,
+                                  "finish_reason": None}])
+                if chunk.finish_reason is not None:
+                    yield frame([{"index": i, "delta": {}, "logprobs": None,
+                                  "finish_reason": _FINISH[chunk.finish_reason]}])
+            else:
+                if include_usage:
+                    yield sse({**head, "choices": [], "usage": usage(choices, req.n)})
+        except Exception as exc:  # noqa: BLE001 - the status line is sent: the error goes in the stream
+            yield sse(engine_failure(exc).body())
         yield SSE_DONE
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse_request(CompletionRequest, await read_body(request, state.max_request_bytes))
+        req = parse_request(CompletionRequest, await read_body(request, state))
         check_model(state, req.model)
-        prompts = []
-        for p in req.prompts():
-            if isinstance(p, list):    # token ids: the engine checks them against the vocabulary
-                prompts.append(p)
-                continue
-            try:
-                prompts.append(await in_worker(llm.encode_prompt, p))
-            except ValueError as exc:   # an empty prompt
-                raise engine_error(exc) from None
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await open_streams(state, prompts, req, request_id)
+        with state.admission.reserve(len(req.prompts()) * req.n):
+            prompts = []
+            for p in req.prompts():
+                if isinstance(p, list):    # token ids: the engine checks them against the vocabulary
+                    prompts.append(p)
+                    continue
+                try:
+                    prompts.append(await in_worker(llm.encode_prompt, p))
+                except ValueError as exc:   # an empty prompt
+                    raise engine_error(exc) from None
+            request_id = f"cmpl-{uuid.uuid4().hex}"
+            streams = await open_streams(state, prompts, req, request_id)
         if req.stream:
             choices = [Choice() for _ in streams]
             return EventStream(completion_events(req, streams, choices, request_id), streams, choices)
@@ -456,7 +624,8 @@ def create_app(state: ServerState) -> FastAPI:
         return {"id": request_id, "object": "text_completion", "created": int(time.time()),
                 "model": state.model_name, "system_fingerprint": None,
                 "choices": [{"index": i, "text": c.text,
-                             "logprobs": completion_logprobs(c.logprobs, token_text, 0)
+                             "logprobs": completion_logprobs(c.logprobs, token_text, TextOffsets(token_text),
+                                                             len(c.text))
                              if req.logprobs is not None else None,
                              "finish_reason": _FINISH[c.finish_reason]} for i, c in enumerate(choices)],
                 "usage": usage(choices, req.n)}
@@ -464,35 +633,38 @@ def create_app(state: ServerState) -> FastAPI:
     async def completion_events(req: CompletionRequest, streams, choices, request_id):
         created = int(time.time())
         include_usage = req.include_usage()
-        offsets = [0] * len(streams)
+        offsets = [TextOffsets(token_text) for _ in streams]
         head = {"id": request_id, "object": "text_completion", "created": created, "model": state.model_name,
                 "system_fingerprint": None}
 
         def frame(choice):
             return sse({**head, "choices": [choice], **({"usage": None} if include_usage else {})})
 
-        async for i, chunk in merge_streams(streams):
-            choices[i].add(chunk)
-            if chunk.finish_reason == "abort":
-                yield sse(SHUTDOWN_ABORT)
-                break
-            lp = None
-            if req.logprobs is not None and chunk.logprobs:
-                lp = completion_logprobs(chunk.logprobs, token_text, offsets[i])
-                offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-            if chunk.text or lp is not None:
-                yield frame({"index": i, "text": chunk.text, "logprobs": lp, "finish_reason": None})
-            if chunk.finish_reason is not None:
-                yield frame({"index": i, "text": "", "logprobs": None,
-                             "finish_reason": _FINISH[chunk.finish_reason]})
-        else:
-            if include_usage:
-                yield sse({**head, "choices": [], "usage": usage(choices, req.n)})
+        try:
+            async for i, chunk in merge_streams(streams):
+                choices[i].add(chunk)
+                if chunk.finish_reason == "abort":
+                    yield sse(SHUTDOWN_ABORT)
+                    break
+                lp = None
+                if req.logprobs is not None and chunk.logprobs:
+                    final_len = len(choices[i].text) if chunk.finish_reason is not None else None
+                    lp = completion_logprobs(chunk.logprobs, token_text, offsets[i], final_len)
+                if chunk.text or lp is not None:
+                    yield frame({"index": i, "text": chunk.text, "logprobs": lp, "finish_reason": None})
+                if chunk.finish_reason is not None:
+                    yield frame({"index": i, "text": "", "logprobs": None,
+                                 "finish_reason": _FINISH[chunk.finish_reason]})
+            else:
+                if include_usage:
+                    yield sse({**head, "choices": [], "usage": usage(choices, req.n)})
+        except Exception as exc:  # noqa: BLE001 - the status line is sent: the error goes in the stream
+            yield sse(engine_failure(exc).body())
         yield SSE_DONE
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
-        req = parse_request(EmbeddingRequest, await read_body(request, state.max_request_bytes))
+        req = parse_request(EmbeddingRequest, await read_body(request, state))
         check_model(state, req.model)
         if state.draining:
             raise APIError(503, "The server is shutting down.", type="server_error",
@@ -532,50 +704,169 @@ def model_card(state: ServerState) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Prometheus text format (written by hand: the engine's metrics are one dict, read when scraped).
+# /metrics through prometheus_client: the server's own counters, and the engine's metrics read from
+# the engine thread at each scrape.
 
-_COUNTERS = {"prefix_cache_queries", "prefix_cache_hits", "preemptions", "steps", "requests_finished",
-             "requests_aborted"}
-_HELP = {
-    "running": "requests in the running batch", "waiting": "requests queued for admission",
-    "kv_blocks_total": "KV-cache blocks in the pool", "kv_blocks_used": "KV-cache blocks held by requests",
-    "kv_blocks_free": "KV-cache blocks free or evictable",
-    "prefix_cache_queries": "prompt blocks looked up in the prefix cache",
-    "prefix_cache_hits": "prompt blocks found in the prefix cache",
-    "prefix_cache_hit_rate": "prefix-cache hits / queries", "preemptions": "requests preempted (recomputed)",
-    "steps": "engine steps run", "tokens_per_step": "mean tokens per engine step",
-    "host_seconds_per_step": "mean host time per step outside device work and sampling",
-    "requests_finished": "requests finished", "requests_aborted": "requests aborted",
-    "ttft_seconds": "time to first token", "itl_seconds": "inter-token latency",
+# engine.metrics() key -> (Prometheus name, help). Counters get "_total" from prometheus_client.
+ENGINE_GAUGES = {
+    "running": ("microengine_requests_running", "Requests in the engine's running batch."),
+    "waiting": ("microengine_requests_waiting",
+                "Requests queued in the engine for a place in the running batch (the queue depth)."),
+    "kv_blocks_total": ("microengine_kv_cache_capacity_blocks", "KV-cache blocks in the pool."),
+    "kv_blocks_used": ("microengine_kv_cache_used_blocks", "KV-cache blocks held by requests."),
+    "kv_blocks_free": ("microengine_kv_cache_free_blocks", "KV-cache blocks free or evictable."),
+}
+ENGINE_COUNTERS = {
+    "requests_finished": ("microengine_requests_finished", "Requests finished (stop or length)."),
+    "requests_aborted": ("microengine_requests_aborted", "Requests aborted (client gone, shutdown)."),
+    "requests_failed": ("microengine_requests_failed", "Requests failed by an error in the engine."),
+    "preemptions": ("microengine_preemptions", "Requests preempted and later recomputed."),
+    "prefix_cache_queries": ("microengine_prefix_cache_queries", "Prompt blocks looked up in the prefix cache."),
+    "prefix_cache_hits": ("microengine_prefix_cache_hits", "Prompt blocks found in the prefix cache."),
+    "steps": ("microengine_engine_steps", "Engine steps run."),
+    "step_tokens": ("microengine_engine_step_tokens", "Tokens computed by engine steps (prefill and decode)."),
+    "host_seconds": ("microengine_engine_host_seconds",
+                     "Host time of the engine steps, outside the waits for the device."),
+}
+ENGINE_HISTOGRAMS = {
+    "ttft_seconds": ("microengine_time_to_first_token_seconds", "Time from arrival to the first output token."),
+    "itl_seconds": ("microengine_inter_token_latency_seconds", "Time between consecutive output tokens."),
+    "queue_seconds": ("microengine_request_queue_time_seconds",
+                      "Time from arrival to joining the running batch."),
 }
 
 
-def prometheus_text(metrics: dict, state: ServerState) -> str:
-    lines = []
-    for key, value in metrics.items():
-        name = f"microengine_{key}"
-        if isinstance(value, dict):     # a latency summary: count/sum/p50/p99
-            lines += [f"# HELP {name} {_HELP.get(key, key)}", f"# TYPE {name} summary"]
-            for key_q, q in (("p50", "0.5"), ("p99", "0.99")):
-                if value.get(key_q) is not None:
-                    lines.append(f'{name}{{quantile="{q}"}} {_num(value[key_q])}')
-            lines += [f"{name}_sum {_num(value.get('sum', 0))}", f"{name}_count {_num(value.get('count', 0))}"]
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            counter = key in _COUNTERS
-            full = f"{name}_total" if counter else name
-            lines += [f"# HELP {full} {_HELP.get(key, key)}", f"# TYPE {full} {'counter' if counter else 'gauge'}",
-                      f"{full} {_num(value)}"]
-    lines += ["# HELP microengine_http_responses_total HTTP responses sent, by status code",
-              "# TYPE microengine_http_responses_total counter"]
-    lines += [f'microengine_http_responses_total{{code="{code}"}} {n}'
-              for code, n in sorted(state.responses_by_code.items())]
-    lines += ["# HELP microengine_http_in_flight HTTP requests being served",
-              "# TYPE microengine_http_in_flight gauge", f"microengine_http_in_flight {state.in_flight}"]
-    return "\n".join(lines) + "\n"
+class EngineCollector:
+    """The engine's metrics as Prometheus families; collect() blocks on the engine thread."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def collect(self):
+        m = self.llm.metrics()
+        for key, (name, doc) in ENGINE_GAUGES.items():
+            yield GaugeMetricFamily(name, doc, value=m[key])
+        for key, (name, doc) in ENGINE_COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=m[key])
+        for key, (name, doc) in ENGINE_HISTOGRAMS.items():
+            h = m[key]
+            buckets = [(floatToGoString(le), n) for le, n in h["buckets"]] + [("+Inf", h["count"])]
+            yield HistogramMetricFamily(name, doc, buckets=buckets, sum_value=h["sum"])
 
 
-def _num(x) -> str:
-    return repr(float(x)) if isinstance(x, float) else str(x)
+class ServerCollector:
+    """What the server counts itself: HTTP responses by status, in flight, and load shedding."""
+
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    def collect(self):
+        state = self.state
+        responses = CounterMetricFamily("microengine_http_responses", "HTTP responses sent, by status code.",
+                                        labels=["code"])
+        for code, n in sorted(dict(state.responses_by_code).items()):
+            responses.add_metric([str(code)], n)
+        yield responses
+        yield GaugeMetricFamily("microengine_http_requests_in_flight", "HTTP requests being served.",
+                                value=state.in_flight)
+        yield CounterMetricFamily("microengine_requests_rejected",
+                                  "Requests refused with 429 because the admission limit was reached.",
+                                  value=state.admission.rejected)
+        yield GaugeMetricFamily("microengine_admitted_requests",
+                                "Engine requests admitted by the server and not done (running, queued "
+                                "or being tokenized).", value=state.admission.count())
+        yield GaugeMetricFamily("microengine_admission_limit_requests",
+                                "Most engine requests admitted at once (--max-num-seqs + --max-queued-requests).",
+                                value=state.admission.limit)
+
+
+def metrics_registry(state: ServerState) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    registry.register(ServerCollector(state))
+    if state.llm is not None:
+        registry.register(EngineCollector(state.llm))
+    ProcessCollector(registry=registry)
+    return registry
+
+
+# ---------------------------------------------------------------------------------------------------
+# Connections: uvicorn's h11 protocol with a header timeout and a connection limit.
+
+@dataclasses.dataclass
+class ConnectionLimits:
+    header_timeout: float            # seconds a connection has to send its request headers
+    max_connections: int             # connections open at once; past it, 503 and close
+    count_response: object = None    # called with the status of each response these guards send
+
+
+def _raw_response(status: int, reason: str, body: dict) -> bytes:
+    """A whole HTTP/1.1 response, for a connection that is closed right after (no h11 state kept)."""
+    payload = json.dumps(body).encode()
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(payload)}\r\n"
+            f"connection: close\r\n\r\n").encode() + payload
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, guarded against slow senders and connection floods:
+    - a connection whose request headers are not complete within --header-timeout seconds of its
+      first byte (or of opening) is answered 408 and closed: uvicorn itself times out only idle
+      keep-alive connections, so half a request line held a connection forever;
+    - a connection past --max-connections is answered 503 and closed at once.
+    The body has its own timeout (--body-timeout, in read_body); h11 caps the headers at 16 KiB."""
+
+    def connection_made(self, transport):
+        super().connection_made(transport)
+        self._limits: ConnectionLimits = self.config.connection_limits
+        self._header_timer = None
+        self._refused = False
+        if len(self.connections) > self._limits.max_connections:
+            # Answered before the request is read, then half-closed: closing outright with the
+            # request unread would reset the connection and lose the answer. The client closes its
+            # side once it has read it, or the header timeout closes ours.
+            self._refuse(503, "Service Unavailable", error_body(
+                "Too many open connections; retry later.", type="server_error", code="too_many_connections"),
+                close=False)
+            self.transport.write_eof()
+        self._arm_header_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return          # a refused connection's request is read and dropped
+        super().data_received(data)
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self._arm_header_timer()      # a request has begun but its headers are not all here
+        else:
+            self._cancel_header_timer()
+
+    def connection_lost(self, exc):
+        self._cancel_header_timer()
+        super().connection_lost(exc)
+
+    def _arm_header_timer(self):
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_later(self._limits.header_timeout, self._on_header_timeout)
+
+    def _cancel_header_timer(self):
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _on_header_timeout(self):
+        self._header_timer = None
+        if self._refused:
+            self.transport.close()
+        elif self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self._refuse(408, "Request Timeout", error_body(
+                f"The request headers did not arrive within {self._limits.header_timeout:g}s.",
+                code="request_timeout"))
+
+    def _refuse(self, status: int, reason: str, body: dict, close: bool = True):
+        self._refused = True
+        self.transport.write(_raw_response(status, reason, body))
+        if close:
+            self.transport.close()
+        if self._limits.count_response is not None:
+            self._limits.count_response(status)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -704,12 +995,35 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="seconds in-flight requests get to finish after SIGTERM/SIGINT before abort (default: %(default)s)")
     server.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                         help="largest request body accepted; 413 above (default: %(default)s)")
+    server.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS, metavar="N",
+                        help="load shedding: requests (one per prompt and choice) that may wait for a place "
+                             "in the running batch beyond --max-num-seqs; past it, 429 with Retry-After "
+                             "(default: %(default)s)")
+    server.add_argument("--allowed-hosts", action="append", default=[], metavar="NAME[,NAME...]",
+                        help="Host header values accepted besides the bound address (and 'localhost' on "
+                             "loopback); '*' accepts any; refuses DNS-rebinding requests (default: none)")
+    server.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S, metavar="S",
+                        help="seconds a connection has to send its request headers; 408 and close after "
+                             "(default: %(default)s)")
+    server.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
+                        help="seconds a request has to send its whole body; 408 and close after "
+                             "(default: %(default)s)")
+    server.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
+                        help="open connections at once; past it, 503 and close (default: %(default)s)")
     server.add_argument("--access-log", action="store_true", help="log every request")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="(default: %(default)s)")
     engine_arguments(parser)
     allocator.add_arguments(parser)
     args = parser.parse_args(argv)
+    args.allowed_hosts = [h.strip() for value in args.allowed_hosts for h in value.split(",") if h.strip()]
+    if args.max_queued_requests < 0:
+        parser.error("--max-queued-requests must be >= 0")
+    if args.max_connections < 1:
+        parser.error("--max-connections must be >= 1")
+    for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
+        if not value > 0:
+            parser.error(f"{flag} must be a positive number of seconds")
     allocator.configure_from_args(args, parser)     # before CUDA starts; may restart the process
     try:
         graphs = allocator.resolve_cuda_graphs(args.allocator, getattr(args, "cuda_graphs", None))
@@ -745,14 +1059,18 @@ def main(argv=None) -> int:
     allocator.apply_release(llm.engine.device)
     names = tuple(dict.fromkeys(n for n in (args.served_model_name, llm.model_name, engine_kw.get("model", "llama"))
                                 if n))
+    host, port = sock.getsockname()[:2]
     state = ServerState(llm=llm, model_names=names, api_key=args.api_key,
                         max_request_bytes=args.max_request_bytes, shutdown_timeout=args.shutdown_timeout,
-                        sampling_params=SamplingParams)
+                        sampling_params=SamplingParams,
+                        admission=Admission(llm.config.max_num_seqs + args.max_queued_requests),
+                        hosts=HostCheck(host, [args.host, *args.allowed_hosts]), body_timeout=args.body_timeout)
     app = Gate(create_app(state), state)
-    config = uvicorn.Config(app, loop="uvloop", lifespan="off", log_level=args.log_level,
+    config = uvicorn.Config(app, loop="uvloop", lifespan="off", log_level=args.log_level, http=GuardedH11Protocol,
                             access_log=args.access_log, timeout_graceful_shutdown=5, timeout_keep_alive=30)
+    config.connection_limits = ConnectionLimits(args.header_timeout, args.max_connections,
+                                                lambda status: Gate.count(state, status))
     server = DrainingServer(config, state)
-    host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"microengine: serving '{state.model_name}' (max_model_len {llm.max_model_len}) at "
           f"http://{shown}:{port}/v1  [chat/completions, completions, embeddings, models; /health, /metrics]"

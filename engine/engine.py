@@ -13,7 +13,10 @@ in step N+1, which is dropped. `overlap=False` reads each step's tokens at once 
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -52,22 +55,36 @@ class StreamChunk:
     logprobs: list[TokenLogprob] | None = None
 
 
-class LatencySummary:
-    """Count and sum of all samples; percentiles over the most recent ones."""
+# Histogram bucket bounds (seconds) of the latencies, as Prometheus exports them (serve.py /metrics).
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+QUEUE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
-    def __init__(self, window: int = 10000):
+
+class LatencySummary:
+    """Count and sum of all samples, a cumulative histogram over `buckets`, and percentiles over the
+    most recent samples."""
+
+    def __init__(self, buckets: tuple[float, ...], window: int = 10000):
         self.count, self.total = 0, 0.0
+        self.bounds = buckets
+        self.counts = [0] * len(buckets)    # per bucket, not cumulative
         self.recent: deque[float] = deque(maxlen=window)
 
     def add(self, x: float) -> None:
         self.count += 1
         self.total += x
         self.recent.append(x)
+        i = bisect.bisect_left(self.bounds, x)
+        if i < len(self.counts):
+            self.counts[i] += 1
 
     def summary(self) -> dict:
         ys = sorted(self.recent)
         pct = lambda q: ys[min(len(ys) - 1, int(len(ys) * q))] if ys else 0.0  # noqa: E731
-        return {"count": self.count, "sum": self.total, "p50": pct(0.5), "p99": pct(0.99)}
+        cumulative = list(itertools.accumulate(self.counts))
+        return {"count": self.count, "sum": self.total, "p50": pct(0.5), "p99": pct(0.99),
+                "buckets": list(zip(self.bounds, cumulative))}     # (upper bound, samples <= it)
 
 
 class _Detokenizer:
@@ -113,11 +130,15 @@ class Request:
     detok: _Detokenizer | None
     generator: torch.Generator | None
     arrival_time: float
+    matcher: object | None = None        # the grammar's state, for a constrained request
+    scheduled_time: float | None = None  # when it first joined a step
     last_token_time: float | None = None
 
     @property
-    def penalised(self) -> bool:
-        return bool(self.seq.params.presence_penalty or self.seq.params.frequency_penalty)
+    def serial(self) -> bool:
+        """Whether its next step needs all its earlier tokens on the host (penalties, a grammar)."""
+        return bool(self.seq.params.presence_penalty or self.seq.params.frequency_penalty
+                    or self.matcher is not None)
 
 
 @dataclass(eq=False)
@@ -177,10 +198,13 @@ class Engine:
         self.ring = PinnedRing(3, 1 << 16, self.streams)
         self.readback = TokenReadback(self.streams, num_slots=2)
         self.in_flight: InFlight | None = None
-        self.num_penalised = 0      # running requests with penalties: their steps do not overlap
+        self.num_serial = 0         # requests whose steps must not overlap (Request.serial)
         self.requests: dict[str, Request] = {}
-        self.stats = {"steps": 0, "step_tokens": 0, "finished": 0, "aborted": 0, "host_s": 0.0}
-        self.ttft, self.itl = LatencySummary(), LatencySummary()
+        self.stats = {"steps": 0, "step_tokens": 0, "finished": 0, "aborted": 0, "failed": 0, "host_s": 0.0}
+        self.ttft, self.itl = LatencySummary(TTFT_BUCKETS), LatencySummary(ITL_BUCKETS)
+        self.queue_time = LatencySummary(QUEUE_BUCKETS)
+        self._grammars = None       # engine.structured_output.Grammars, made on first use
+        self._grammars_lock = threading.Lock()      # validate() runs on the callers' threads
         if self.device.type == "cuda":
             # Loading, conversion and graph capture ran on the default stream; the step streams
             # do not sync with it, so everything it queued must be done first (once).
@@ -306,7 +330,16 @@ class Engine:
         if bad:
             raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary "
                              f"(0..{self.model_config.vocab_size - 1})")
+        if params.constrained:
+            self.grammars().compile(params)     # a schema it cannot compile is refused here
         return max_tokens
+
+    def grammars(self):
+        with self._grammars_lock:
+            if self._grammars is None:
+                from engine.structured_output import Grammars
+                self._grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_ids)
+            return self._grammars
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink) -> None:
         max_tokens = self.validate(prompt_ids, params)
@@ -318,15 +351,16 @@ class Engine:
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
-        req = self.requests[request_id] = Request(seq, sink, detok, gen, time.perf_counter())
-        self.num_penalised += req.penalised
+        matcher = self.grammars().matcher(params) if params.constrained else None
+        req = self.requests[request_id] = Request(seq, sink, detok, gen, time.perf_counter(), matcher)
+        self.num_serial += req.serial
         self.scheduler.add(seq)
 
     def _drop(self, req: Request, reason: str) -> None:
         """The request leaves: its blocks go back to the pool at once."""
         self.scheduler.finish(req.seq, reason)
         del self.requests[req.seq.request_id]
-        self.num_penalised -= req.penalised
+        self.num_serial -= req.serial
 
     def abort(self, request_id: str) -> None:
         req = self.requests.get(request_id)
@@ -341,14 +375,34 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.in_flight is not None
 
+    def fail_running(self) -> list[str]:
+        """After a step raised: drop the requests that were running or in flight (their KV cache may
+        be half-written), without telling their sinks, and reset the step pipeline so the engine goes
+        on serving the waiting ones. Returns the dropped request ids; the caller fails them."""
+        ids = [seq.request_id for seq in self.scheduler.running]
+        if self.in_flight is not None:
+            ids += [req.seq.request_id for req, _ in self.in_flight.rows]
+        self.in_flight = None
+        for slot in self.ring.slots:       # a step that raised between acquire and release
+            slot.in_use = False
+        self.readback.tickets = [None] * self.readback.num_slots     # tickets that will never be read
+        dropped = []
+        for rid in dict.fromkeys(ids):
+            req = self.requests.get(rid)
+            if req is not None:
+                self._drop(req, "error")
+                self.stats["failed"] += 1
+                dropped.append(rid)
+        return dropped
+
     # ---------------------------------------------------------------- the step
 
     def step(self) -> int:
         """Queue one step on the GPU and hand out the tokens of the step before it; returns the
         number of tokens the new step computes (0 if there was nothing to schedule)."""
         t_start, self._waited = time.perf_counter(), 0.0
-        # Penalties need every earlier token on the host: such steps are serialised.
-        overlap = self.config.overlap and not self.num_penalised
+        # Penalties and grammars need every earlier token on the host: such steps are serialised.
+        overlap = self.config.overlap and not self.num_serial
         if self.in_flight is not None and not overlap:
             self._finish(self.in_flight)
         scheduled = self.scheduler.schedule()
@@ -376,6 +430,14 @@ class Engine:
         slot = self.ring.acquire()
         for name, (data, dtype) in {**plan.fields, **Sampler.fields(params)}.items():
             slot.put(name, data, dtype)
+        if any(r.matcher is not None for r in reqs):     # serial steps: every matcher is up to date
+            slot.put("token_bitmask", self.grammars().bitmask([r.matcher for r in reqs]), torch.int32)
+        now = time.perf_counter()
+        for item in scheduled:
+            req = self.requests[item.seq.request_id]
+            if req.scheduled_time is None:
+                req.scheduled_time = now
+                self.queue_time.add(now - req.arrival_time)
         with s.on(s.compute):
             dev = self.ring.upload(slot)
             batch = plan.batch(dev, self.kv_cache)
@@ -432,7 +494,9 @@ class Engine:
             self.itl.add(now - req.last_token_time)
         req.last_token_time = now
         reason = None
-        if not params.ignore_eos and token in self.eos_ids:
+        if req.matcher is not None and (not req.matcher.accept_token(token) or req.matcher.is_terminated()):
+            reason = "stop"     # the grammar is complete (a refused token cannot be sampled: it is masked)
+        elif not params.ignore_eos and token in self.eos_ids:
             reason = "stop"
         elif params.stop_token_ids and token in params.stop_token_ids:
             reason = "stop"
@@ -486,6 +550,8 @@ class Engine:
             "preemptions": self.scheduler.num_preemptions, "steps": s["steps"],
             "tokens_per_step": s["step_tokens"] / s["steps"] if s["steps"] else 0.0,
             "host_seconds_per_step": s["host_s"] / s["steps"] if s["steps"] else 0.0,
-            "requests_finished": s["finished"], "requests_aborted": s["aborted"],
+            "step_tokens": s["step_tokens"], "host_seconds": s["host_s"],
+            "requests_finished": s["finished"], "requests_aborted": s["aborted"], "requests_failed": s["failed"],
             "ttft_seconds": self.ttft.summary(), "itl_seconds": self.itl.summary(),
+            "queue_seconds": self.queue_time.summary(),
         }

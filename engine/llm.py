@@ -1,7 +1,8 @@
 """LLM: the public, embeddable API. generate(), chat(), stream() (sync and async), embed().
 
 The engine runs on one background thread that owns the model and the GPU; callers on any thread (or
-asyncio loop) hand it requests through a queue and get tokens back through their RequestStream.
+asyncio loop) hand it requests through a queue and get tokens back through their RequestStream. An
+error on that thread fails the requests it concerns with that exception; no caller waits forever.
 """
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import asyncio
 import atexit
 import itertools
 import logging
-import queue
 import threading
 import time
 import weakref
@@ -38,35 +38,62 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
 
 
+class _Failure:
+    """Put in a stream in place of a chunk: the engine failed the request with this exception."""
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
 class RequestStream:
-    """The tokens of one request as they come: `for chunk in stream` or `async for chunk in stream`."""
+    """The tokens of one request as they come: `for chunk in stream` or `async for chunk in stream`.
+    If the engine fails the request, iterating raises the exception it failed with."""
 
     def __init__(self, llm: "LLM", request_id: str, prompt_ids: list[int]):
         self.llm, self.request_id, self.prompt_ids = llm, request_id, prompt_ids
         self._lock = threading.Lock()
-        self._buffer: deque[StreamChunk] = deque()
+        self._buffer: deque = deque()
         self._ready = threading.Condition(self._lock)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._aqueue: asyncio.Queue | None = None
-        self.finished = False
+        self.finished = False       # the consumer has seen the last chunk
+        self.done = False           # the engine is done with it: last chunk or failure delivered
 
-    def _put(self, chunk: StreamChunk) -> None:       # called on the engine thread
+    def _put(self, item) -> None:       # a StreamChunk or a _Failure; called on the engine thread
         with self._lock:
+            if self.done:
+                return
+            self.done = isinstance(item, _Failure) or item.finish_reason is not None
             if self._aqueue is not None:
-                self._loop.call_soon_threadsafe(self._aqueue.put_nowait, chunk)
+                self._loop.call_soon_threadsafe(self._aqueue.put_nowait, item)
             else:
-                self._buffer.append(chunk)
+                self._buffer.append(item)
                 self._ready.notify()
+
+    def _fail(self, exc: BaseException) -> None:
+        self._put(_Failure(exc))
+
+    def _end(self, item) -> bool:
+        """Whether `item` ends the stream; raises the engine's exception for a failure."""
+        if isinstance(item, _Failure):
+            self.finished = True
+            raise item.exc
+        if item.finish_reason is not None:
+            self.finished = True
+            return True
+        return False
 
     def __iter__(self):
         while True:
             with self._lock:
                 while not self._buffer:
                     self._ready.wait()
-                chunk = self._buffer.popleft()
-            yield chunk
-            if chunk.finish_reason is not None:
-                self.finished = True
+                item = self._buffer.popleft()
+            if isinstance(item, _Failure):
+                self._end(item)
+            yield item
+            if self._end(item):
                 return
 
     def __aiter__(self):
@@ -80,10 +107,11 @@ class RequestStream:
                 self._aqueue.put_nowait(self._buffer.popleft())
         try:
             while True:
-                chunk = await self._aqueue.get()
-                yield chunk
-                if chunk.finish_reason is not None:
-                    self.finished = True
+                item = await self._aqueue.get()
+                if isinstance(item, _Failure):
+                    self._end(item)
+                yield item
+                if self._end(item):
                     return
         finally:
             if not self.finished:       # the consumer went away (client disconnect, cancel)
@@ -105,6 +133,11 @@ class RequestStream:
 
 
 class LLM:
+    """The engine on a background thread. Every call fails rather than waits forever: a request
+    that the engine thread cannot add, or whose step raises, fails with that exception (raised from
+    its stream, generate() or chat()), and if the thread itself stops, everything still pending
+    fails with a RuntimeError."""
+
     def __init__(self, model: str = "llama", device=None, dtype=None, config: EngineConfig | None = None,
                  **config_fields):
         if config is None:
@@ -115,7 +148,12 @@ class LLM:
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len
         self._ids = itertools.count()
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        # Commands for the engine thread: (run, fail) pairs; `fail(exc)` is called instead of `run()`
+        # if the thread stops first. The lock orders queueing against the thread's final drain.
+        self._lock = threading.Lock()
+        self._inbox: deque[tuple] = deque()
+        self._streams: dict[str, RequestStream] = {}     # requests the engine has not finished
+        self._closed: BaseException | None = None        # why the engine thread stopped
         self._wake = threading.Event()
         self._accepting = True
         self._stopped = False
@@ -136,28 +174,67 @@ class LLM:
 
     def _run(self):
         engine = self.engine
-        while not self._stopped:
-            while True:
-                try:
-                    command = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                try:
-                    command()
-                except Exception:  # noqa: BLE001 - a bad command must not stop the engine
-                    log.exception("engine command failed")
-            if engine.has_work():
-                try:
-                    engine.step()
-                except Exception:  # noqa: BLE001
-                    # A failed step (out of memory, a kernel error) ends the requests it held,
-                    # with finish_reason "abort", and the engine keeps serving the rest.
-                    log.exception("engine step failed; aborting the requests in flight")
-                    for rid in list(engine.requests):
-                        engine.abort(rid)
-            else:
-                self._wake.wait(0.05)
-                self._wake.clear()
+        error: BaseException | None = None
+        try:
+            while not self._stopped:
+                while True:
+                    with self._lock:
+                        if not self._inbox:
+                            break
+                        run, fail = self._inbox.popleft()
+                    try:
+                        run()
+                    except Exception as exc:  # noqa: BLE001 - fails the command's caller, not the engine
+                        fail(exc)
+                if engine.has_work():
+                    try:
+                        engine.step()
+                    except Exception as exc:  # noqa: BLE001
+                        # A failed step (out of memory, a kernel error) fails the requests it held
+                        # with its exception; the engine goes on serving the rest.
+                        log.exception("engine step failed; failing the requests it held")
+                        for rid in engine.fail_running():
+                            self._fail_request(rid, exc)
+                else:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+        except BaseException as exc:  # noqa: BLE001 - reported to every caller below
+            log.exception("the engine thread stopped")
+            error = exc
+        finally:
+            self._close(error)
+
+    def _close(self, error: BaseException | None) -> None:
+        """The engine thread is ending: fail the commands it will never run and the requests it will
+        never finish."""
+        reason = RuntimeError("the engine has shut down" if error is None else
+                              f"the engine thread stopped: {type(error).__name__}: {error}")
+        if error is not None:
+            reason.__cause__ = error
+        with self._lock:
+            self._closed = reason
+            commands, self._inbox = list(self._inbox), deque()
+            streams, self._streams = list(self._streams.values()), {}
+        for _, fail in commands:
+            fail(reason)
+        for stream in streams:
+            stream._fail(reason)
+
+    def _fail_request(self, request_id: str, exc: BaseException) -> None:
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream._fail(exc)
+
+    def _submit(self, run, fail) -> None:
+        """Queue `run` for the engine thread; `fail(exc)` is called instead if it never runs."""
+        with self._lock:
+            closed = self._closed
+            if closed is None:
+                self._inbox.append((run, fail))
+        if closed is not None:
+            fail(closed)
+        self._wake.set()
 
     def _call(self, fn):
         """Run fn on the engine thread (between steps) and return its result."""
@@ -165,25 +242,26 @@ class LLM:
             raise RuntimeError("the engine has shut down")
         fut: Future = Future()
 
-        def command():
-            try:
-                fut.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - handed back to the caller
-                fut.set_exception(e)
+        def run():
+            fut.set_result(fn())
 
-        self._inbox.put(command)
-        self._wake.set()
+        self._submit(run, fut.set_exception)
         return fut.result()
 
     # ---------------------------------------------------------------- prompts
 
     def encode_prompt(self, prompt: str) -> list[int]:
-        if not isinstance(prompt, str) or not prompt:
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt: must be a string (got {type(prompt).__name__})")
+        if not prompt:
             raise ValueError("prompt: must be a non-empty string")
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        if not isinstance(messages, list) or not messages:
+        if not isinstance(messages, list):
+            raise TypeError(f"messages: must be a list of {{'role', 'content'}} dicts "
+                            f"(got {type(messages).__name__})")
+        if not messages:
             raise ValueError("messages: must be a non-empty list")
         for m in messages:
             if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
@@ -196,32 +274,62 @@ class LLM:
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.encode_prompt(prompt)
-        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt):
+        if isinstance(prompt, (list, tuple)) and all(_is_token_id(t) for t in prompt):
+            if not prompt:
+                raise ValueError("prompt: must be a non-empty string or a non-empty list of token ids")
             return list(prompt)
-        raise ValueError("prompt: must be a non-empty string or a non-empty list of token ids")
+        raise TypeError(f"prompt: must be a string or a list of token ids (got {_describe(prompt)})")
 
     # ---------------------------------------------------------------- requests
 
     def stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> RequestStream:
         if not self._accepting:
             raise RuntimeError("the engine is shutting down and accepts no new requests")
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params: must be a SamplingParams (got {type(params).__name__})")
         ids = self._prompt_ids(prompt)
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(f"request_id: must be a string (got {type(request_id).__name__})")
         rid = request_id or f"req-{next(self._ids)}"
         stream = RequestStream(self, rid, ids)
         # Refusals come from static limits, so they are raised here, on the caller's thread; the
         # request itself joins the engine at its next step boundary without the caller waiting.
         self.engine.validate(ids, params)
-        self._inbox.put(lambda: self.engine.add_request(rid, ids, params, stream._put))
-        self._wake.set()
+        with self._lock:
+            if rid in self._streams:
+                raise ValueError(f"request_id: {rid!r} is already running")
+            self._streams[rid] = stream
+
+        def sink(chunk):               # on the engine thread
+            if chunk.finish_reason is not None:
+                with self._lock:
+                    self._streams.pop(rid, None)
+            stream._put(chunk)
+
+        self._submit(lambda: self.engine.add_request(rid, ids, params, sink),
+                     lambda exc: self._fail_request(rid, exc))
         return stream
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        """prompts: a string, a list of token ids, or a list of either; params: one SamplingParams
+        for all, or one per prompt."""
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and all(_is_token_id(t) for t in prompts)):
             prompts = [prompts]
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError("params: one SamplingParams, or one per prompt")
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts: must be a string, a list of token ids, or a list of those "
+                            f"(got {_describe(prompts)})")
+        if isinstance(params, (list, tuple)):
+            params_list = list(params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"params: one SamplingParams, or one per prompt ({len(prompts)}); "
+                                 f"got a list of {len(params_list)}")
+        else:
+            params_list = [SamplingParams() if params is None else params] * len(prompts)
+        for p in params_list:
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"params: must be a SamplingParams or a list of them (got {_describe(params)})")
         # Validate every prompt before queueing any, so a bad one does not leave others running.
         ids = [self._prompt_ids(p) for p in prompts]
         streams = []
@@ -232,25 +340,39 @@ class LLM:
             for s in streams:
                 s.abort()
             raise
-        return [s.result() for s in streams]
+        try:
+            return [s.result() for s in streams]
+        except BaseException:       # one failed (or the caller was interrupted): stop the others
+            for s in streams:
+                s.abort()
+            raise
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
         return self.generate([self.encode_chat(messages)], params)[0]
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(lambda: self.engine.abort(request_id))
-        self._wake.set()
+        self._submit(lambda: self.engine.abort(request_id), lambda exc: None)
 
     # ---------------------------------------------------------------- whole-sequence passes
 
-    def embed(self, texts: list[str]) -> torch.Tensor:
-        """Mean-pooled final hidden state of each text, L2-normalised: [n, hidden] fp32."""
+    def embed(self, texts: str | list[str]) -> torch.Tensor:
+        """Mean-pooled final hidden state of each text, L2-normalised: [n, hidden] fp32. A string is
+        one text (n = 1)."""
+        if isinstance(texts, str):
+            texts = [texts]
+        if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
+            raise TypeError(f"texts: must be a string or a list of strings (got {_describe(texts)})")
+        if not texts or not all(texts):
+            raise ValueError("texts: must be a non-empty string or a non-empty list of non-empty strings")
         ids = [self.encode_prompt(t) for t in texts]
         hidden = self._call(lambda: self.engine.hidden_states(ids))
         return torch.stack([l2_norm(h.float().mean(0)) for h in hidden]).cpu()
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         """Logits at every position of one sequence: [len, vocab] fp32 (for scoring, perplexity)."""
+        if not isinstance(token_ids, (list, tuple)) or not all(_is_token_id(t) for t in token_ids):
+            raise TypeError(f"token_ids: must be a list of token ids (got {_describe(token_ids)})")
+
         def run():
             hidden = self.engine.hidden_states([list(token_ids)])[0]
             return self.engine.model.compute_logits(hidden)
@@ -262,12 +384,29 @@ class LLM:
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop admitting; let in-flight requests finish for up to `timeout` seconds, abort the rest."""
         self._accepting = False
-        deadline = time.monotonic() + timeout
-        while self._call(self.engine.has_work) and time.monotonic() < deadline:
-            time.sleep(0.05)
 
         def abort_all():
             for rid in list(self.engine.requests):
                 self.engine.abort(rid)
-        self._call(abort_all)
+        try:
+            deadline = time.monotonic() + timeout
+            while self._call(self.engine.has_work) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self._call(abort_all)
+        except RuntimeError:
+            if self._closed is None:
+                raise
+            # The engine thread had already stopped and failed everything pending: nothing to drain.
         LLM._stop_thread(weakref.ref(self))
+
+
+def _is_token_id(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _describe(x) -> str:
+    """A short description of a bad argument for an error message."""
+    if isinstance(x, (list, tuple)):
+        kinds = sorted({type(v).__name__ for v in x})
+        return f"a {type(x).__name__} of {', '.join(kinds)}" if kinds else f"an empty {type(x).__name__}"
+    return type(x).__name__

@@ -2,15 +2,17 @@
 (choices, usage, logprobs, SSE frames). serve.py does the HTTP and drives the engine.
 
 Every request is parsed from raw bytes by pydantic in strict mode with unknown fields forbidden, so a
-parameter this server does not implement (tools, response_format, logit_bias, echo, ...) is refused with
-a 400 that names it instead of being silently ignored. Errors carry OpenAI's body:
+parameter this server does not implement (tools, logit_bias, echo, ...) is refused with a 400 that names
+it instead of being silently ignored. Errors carry OpenAI's body:
 {"error": {"message", "type", "param", "code"}}.
 """
 from __future__ import annotations
 
+import codecs
 import functools
 import json
 import math
+import typing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -27,9 +29,10 @@ class APIError(Exception):
     """An error answered with OpenAI's error body and the given HTTP status."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return error_body(self.message, type=self.type, param=self.param, code=self.code)
@@ -43,17 +46,31 @@ def error_body(message: str, *, type: str = "invalid_request_error", param: str 
 class _Strict(BaseModel):
     """Strict JSON types (no "1" for 1, no 1.0 for an int), no unknown fields, no NaN/inf.
 
-    A key whose value is null means "not given" (many clients send every key), so unknown keys set to
-    null are dropped before validation rather than refused.
+    A key whose value is null means "not given" (the spec allows null for most parameters, and many
+    clients send every key): it is dropped before validation, so the parameter takes its default (a
+    required one is then missing), unless the field itself accepts null. Unknown keys set to null are
+    dropped too rather than refused.
     """
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
-    def _drop_null_unknowns(cls, data: Any) -> Any:
+    def _drop_nulls(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None or k in cls.model_fields}
+            keep = _nullable_keys(cls)
+            return {k: v for k, v in data.items() if v is not None or k in keep}
         return data
+
+
+@functools.cache
+def _nullable_keys(cls: type[BaseModel]) -> frozenset[str]:
+    """The JSON keys (aliases included) whose field accepts null as a value of its own."""
+    keys = set()
+    for name, info in cls.model_fields.items():
+        annotation = info.annotation
+        if annotation is type(None) or type(None) in typing.get_args(annotation):
+            keys |= {name, info.alias or name}
+    return frozenset(keys)
 
 
 class TextPart(_Strict):
@@ -64,6 +81,7 @@ class TextPart(_Strict):
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
+    name: str | None = None          # a participant's name; passed to the chat template, which may use it
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -76,6 +94,35 @@ class StreamOptions(_Strict):
 
 
 StopField = str | list[str] | None
+
+
+class JSONSchemaFormat(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """text (free), json_object (any JSON object) or json_schema (JSON following the schema); the
+    last two through constrained decoding (engine/structured_output.py)."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_format(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise _field_error("response_format.json_schema", "required when type is 'json_schema'")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise _field_error("response_format.json_schema", "only allowed when type is 'json_schema'")
+        return self
+
+    def sampling_kwargs(self) -> dict:
+        if self.type == "json_schema" and self.json_schema.schema_ is not None:
+            return {"json_schema": self.json_schema.schema_}
+        if self.type == "text":
+            return {}
+        return {"json_object": True}        # json_object, or a json_schema without a schema
 
 
 class _SamplingRequest(_Strict):
@@ -94,6 +141,7 @@ class _SamplingRequest(_Strict):
     user: str | None = None                      # accepted for API compatibility; only logged
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _check_common(self):
@@ -126,7 +174,8 @@ class _SamplingRequest(_Strict):
             max_tokens=self.output_limit(), temperature=self.temperature, top_p=self.top_p,
             top_k=max(self.top_k, 0), seed=None if self.seed is None else self.seed + choice_index,
             stop=self.stop_list(), ignore_eos=self.ignore_eos, logprobs=self.engine_logprobs(),
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            **(self.response_format.sampling_kwargs() if self.response_format is not None else {}))
 
     def output_limit(self) -> int | None:
         return self.max_tokens
@@ -155,8 +204,8 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def message_dicts(self) -> list[dict]:
         # "developer" is OpenAI's newer name for the system role; chat templates know only "system".
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+                 **({"name": m.name} if m.name is not None else {})} for m in self.messages]
 
 
 class CompletionRequest(_SamplingRequest):
@@ -228,7 +277,7 @@ def parse_request(model_cls: type[_Strict], raw: bytes):
 
 # Union members show up in pydantic's error locations as type tags ("str", "list[int]", ...).
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "ChatMessage", "TextPart",
-              "StreamOptions"}
+              "StreamOptions", "ResponseFormat", "JSONSchemaFormat"}
 
 
 def _param_name(loc: tuple) -> str | None:
@@ -310,30 +359,121 @@ def usage(choices: list[Choice], n: int) -> dict:
 
 
 class TokenText:
-    """Token id -> its text, for logprobs (cached: a vocabulary is small and decode is not free)."""
+    """Token id -> its bytes and its text, for logprobs. A byte-level token may hold part of a UTF-8
+    character: its bytes are the real ones, and its text is OpenAI's "bytes:\\xNN..." form."""
 
     def __init__(self, tokenizer):
-        self.decode = functools.lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t]))
+        self._table = token_bytes_table(tokenizer)      # once, at startup: it reads the whole vocabulary
+        self._special = frozenset(getattr(tokenizer, "all_special_ids", ()))
+
+    def bytes(self, token_id: int) -> bytes:
+        return self._table[token_id] if 0 <= token_id < len(self._table) else b""
+
+    def text(self, token_id: int) -> str:
+        raw = self.bytes(token_id)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+    def special(self, token_id: int) -> bool:
+        """Special tokens (end of text, ...) are left out of the output text."""
+        return token_id in self._special
+
+
+def token_bytes_table(tokenizer) -> list[bytes]:
+    """The bytes each token stands for. Byte-level BPE (GPT-2, Llama 3, SmolLM) maps each byte to a
+    printable character; SentencePiece-style vocabularies write bytes as <0xNN> and spaces as U+2581;
+    for any other tokenizer a token's own decoded text is the best there is."""
+    n = len(tokenizer)
+    pieces = tokenizer.convert_ids_to_tokens(list(range(n)))
+    added = {i: content for content, i in tokenizer.get_added_vocab().items()}
+    kinds = _decoder_kinds(tokenizer)
+    table = []
+    for i, piece in enumerate(pieces):
+        if i in added or piece is None:
+            table.append((added.get(i) or "").encode())
+        elif "ByteLevel" in kinds:
+            decoder = _byte_decoder()
+            try:
+                table.append(bytes(decoder[c] for c in piece))
+            except KeyError:
+                table.append(piece.encode())
+        elif "ByteFallback" in kinds and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            table.append(bytes([int(piece[3:5], 16)]))
+        elif "ByteFallback" in kinds or "Metaspace" in kinds:
+            table.append(piece.replace("\u2581", " ").encode())
+        else:
+            table.append(tokenizer.decode([i]).encode())
+    return table
+
+
+def _decoder_kinds(tokenizer) -> set[str]:
+    """The types in a fast tokenizer's decoder ("ByteLevel", "ByteFallback", ...); empty if unknown."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return set()
+    try:
+        decoder = json.loads(backend.to_str()).get("decoder") or {}
+    except (ValueError, AttributeError):
+        return set()
+    kinds, todo = set(), [decoder]
+    while todo:
+        d = todo.pop()
+        kinds.add(d.get("type"))
+        todo += d.get("decoders") or []
+    return kinds
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: printable character -> the byte it stands for."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
 
 
 def chat_logprobs(items, token_text: TokenText) -> dict:
     def entry(tid, lp):
-        tok = token_text.decode(tid)
-        return {"token": tok, "logprob": _finite(lp), "bytes": list(tok.encode())}
+        return {"token": token_text.text(tid), "logprob": _finite(lp), "bytes": list(token_text.bytes(tid))}
     return {"content": [{**entry(it.token_id, it.logprob), "top_logprobs": [entry(t, l) for t, l in it.top]}
                         for it in items]}
 
 
-def completion_logprobs(items, token_text: TokenText, offset: int) -> dict:
-    tokens, offsets = [], []
-    for it in items:
-        tok = token_text.decode(it.token_id)
-        tokens.append(tok)
-        offsets.append(offset)
-        offset += len(tok)
-    return {"tokens": tokens, "token_logprobs": [_finite(it.logprob) for it in items],
-            "top_logprobs": [{token_text.decode(t): _finite(l) for t, l in it.top} for it in items],
-            "text_offset": offsets}
+class TextOffsets:
+    """Where each token of one completion starts in its text, in characters. The tokens' bytes are
+    decoded incrementally as the text is, so a token that carries part of a character starts where
+    that character does, and special tokens (left out of the text) take no room."""
+
+    def __init__(self, token_text: TokenText):
+        self.token_text = token_text
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.chars = 0
+
+    def take(self, token_id: int) -> int:
+        start = self.chars
+        if not self.token_text.special(token_id):
+            self.chars += len(self.decoder.decode(self.token_text.bytes(token_id)))
+        return start
+
+
+def completion_logprobs(items, token_text: TokenText, offsets: TextOffsets, text_len: int | None = None) -> dict:
+    """`text_len`: the length of the final text, once known; a stop string cuts the text inside the
+    last tokens, and no offset may point past its end."""
+    starts = [offsets.take(it.token_id) for it in items]
+    if text_len is not None:
+        starts = [min(s, text_len) for s in starts]
+    return {"tokens": [token_text.text(it.token_id) for it in items],
+            "token_logprobs": [_finite(it.logprob) for it in items],
+            "top_logprobs": [{token_text.text(t): _finite(l) for t, l in it.top} for it in items],
+            "text_offset": starts}
 
 
 def _finite(x: float) -> float:

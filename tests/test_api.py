@@ -1,7 +1,10 @@
 """The library API: sampling controls, stop conditions, streaming, and refusal of bad input."""
 import asyncio
+import json
+import threading
 
 import pytest
+import torch
 
 from engine import ContextLengthError, SamplingParams
 
@@ -100,3 +103,178 @@ def test_embeddings_are_normalised(llm):
     assert e.shape == (3, 576)
     assert ((e.norm(dim=1) - 1).abs() < 1e-5).all()
     assert (e[0] @ e[1]) > (e[0] @ e[2])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Issue 26: tiny temperatures, clear errors for bad arguments, and no hang on an engine-thread error.
+
+def _within(fn, timeout_s: float = 120):
+    """fn() on another thread; the test fails (instead of hanging) if it does not return in time."""
+    result = {}
+
+    def run():
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed back to the test
+            result["error"] = e
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    assert not t.is_alive(), f"the call did not return within {timeout_s}s"
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-39, 1e-7])
+def test_tiny_temperature_is_greedy(llm, temperature):
+    greedy = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))[0]
+    tiny = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=temperature,
+                                                                      seed=3))[0]
+    assert tiny.text.strip() and tiny.token_ids == greedy.token_ids
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda llm: llm.generate(123), TypeError, "^prompts: must be a string, a list of token ids"),
+    (lambda llm: llm.generate([1.5]), TypeError, "^prompt: must be a string or a list of token ids"),
+    (lambda llm: llm.generate(["hi"], "not-params"), TypeError, "^params: must be a SamplingParams"),
+    (lambda llm: llm.generate(["a", "b"], [SamplingParams()]), ValueError, "^params: one SamplingParams"),
+    (lambda llm: llm.stream("hi", {"max_tokens": 2}), TypeError, "^params: must be a SamplingParams"),
+    (lambda llm: llm.embed([]), ValueError, "^texts: must be a non-empty"),
+    (lambda llm: llm.embed([""]), ValueError, "^texts: must be a non-empty"),
+    (lambda llm: llm.embed(5), TypeError, "^texts: must be a string or a list of strings"),
+    (lambda llm: llm.logits("hi"), TypeError, "^token_ids: must be a list of token ids"),
+    (lambda llm: llm.chat("hi"), TypeError, "^messages: must be a list"),
+])
+def test_bad_arguments_name_the_parameter(llm, call, error, match):
+    with pytest.raises(error, match=match):
+        call(llm)
+
+
+@pytest.mark.parametrize("kwargs, error, name", [
+    ({"stop": 5}, TypeError, "stop"), ({"stop": ["a", 3]}, TypeError, "stop"),
+    ({"seed": 2**80}, ValueError, "seed"), ({"seed": "7"}, TypeError, "seed"),
+    ({"temperature": "hot"}, TypeError, "temperature"), ({"max_tokens": 2.0}, TypeError, "max_tokens"),
+    ({"logprobs": True}, TypeError, "logprobs"), ({"stop_token_ids": 5}, TypeError, "stop_token_ids"),
+    ({"json_schema": "{not json"}, ValueError, "json_schema"), ({"json_schema": 3}, TypeError, "json_schema"),
+    ({"json_schema": {}, "json_object": True}, ValueError, "json_object"),
+])
+def test_bad_sampling_params_types(kwargs, error, name):
+    with pytest.raises(error, match=f"^{name}: "):
+        SamplingParams(**kwargs)
+
+
+def test_seed_range_runs(llm):
+    # The largest seed torch accepts runs (2**80 is refused by SamplingParams instead of hanging).
+    out = _within(lambda: llm.generate(["hi"], SamplingParams(max_tokens=2, seed=2**64 - 1)))
+    assert len(out[0].token_ids) == 2
+
+
+def test_embed_of_a_string_is_one_input(llm):
+    one = llm.embed("hello")
+    assert one.shape == (1, 576)
+    assert torch.allclose(one, llm.embed(["hello"]))
+
+
+def test_engine_step_error_fails_its_requests(llm, monkeypatch):
+    params = SamplingParams(max_tokens=6, temperature=0)
+    want = llm.generate(["Water boils at"], params)[0].token_ids
+
+    class Injected(RuntimeError):
+        pass
+
+    def broken_sample(*args, **kwargs):
+        raise Injected("injected sampling failure")
+    monkeypatch.setattr(llm.engine.sampler, "sample", broken_sample)
+    with pytest.raises(Injected, match="injected sampling failure"):
+        _within(lambda: llm.generate(["Water boils at"], params))
+
+    async def consume():
+        return [c async for c in llm.stream("Water boils at", params)]
+    with pytest.raises(Injected):
+        _within(lambda: asyncio.run(consume()))
+    monkeypatch.undo()
+    # The engine serves on, with its KV blocks back in the pool.
+    assert _within(lambda: llm.generate(["Water boils at"], params))[0].token_ids == want
+    m = llm.metrics()
+    assert m["kv_blocks_used"] == 0 and m["running"] == 0 and m["requests_failed"] >= 2
+
+
+def test_engine_add_request_error_reaches_the_caller(llm, monkeypatch):
+    def broken_add(*args, **kwargs):
+        raise OverflowError("injected: Overflow when unpacking long long")
+    monkeypatch.setattr(llm.engine, "add_request", broken_add)
+    with pytest.raises(OverflowError, match="injected"):
+        _within(lambda: llm.generate(["hi"], SamplingParams(max_tokens=2)))
+
+
+class _Fatal(BaseException):
+    """Not an Exception: nothing in the engine loop catches it, so the thread dies."""
+
+
+class _DyingEngine:
+    """Stands in for Engine (no model): takes requests, and its first step kills the engine thread."""
+    tokenizer, model_name, max_model_len = None, "dying", 64
+
+    def __init__(self, config):
+        self.requests = {}
+
+    def validate(self, ids, params):
+        return 4
+
+    def add_request(self, rid, ids, params, sink):
+        self.requests[rid] = sink
+
+    def has_work(self):
+        return bool(self.requests)
+
+    def step(self):
+        raise _Fatal("the engine thread dies")
+
+    def metrics(self):
+        return {}
+
+
+def test_a_dead_engine_thread_fails_every_caller(monkeypatch):
+    import engine.llm
+    monkeypatch.setattr(engine.llm, "Engine", _DyingEngine)
+    dying = engine.llm.LLM()
+    with pytest.raises(RuntimeError, match="engine thread stopped: _Fatal"):
+        _within(lambda: dying.generate([[1, 2, 3]], SamplingParams(max_tokens=2)))
+    # Whatever comes after fails at once instead of waiting on the dead thread.
+    with pytest.raises(RuntimeError, match="engine thread stopped"):
+        _within(lambda: dying.generate([[1, 2, 3]], SamplingParams(max_tokens=2)))
+    with pytest.raises(RuntimeError, match="engine thread stopped"):
+        _within(dying.metrics)
+    _within(lambda: dying.shutdown(1))
+
+
+PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                                  "tags": {"type": "array", "items": {"type": "string"},
+                                                           "maxItems": 2}},
+                 "required": ["name", "age", "tags"]}
+
+
+def _is_person(obj) -> bool:
+    return (isinstance(obj, dict) and set(obj) == {"name", "age", "tags"} and isinstance(obj["name"], str)
+            and isinstance(obj["age"], int) and all(isinstance(t, str) for t in obj["tags"]))
+
+
+def test_json_schema_constrains_the_output(llm):
+    prompt = "Describe a person."        # no hint of JSON: the grammar alone makes the output JSON
+    outs = llm.generate([prompt, prompt, prompt], [
+        SamplingParams(max_tokens=120, temperature=0, json_schema=PERSON_SCHEMA),
+        SamplingParams(max_tokens=120, temperature=0.9, seed=5, json_schema=json.dumps(PERSON_SCHEMA)),
+        SamplingParams(max_tokens=12, temperature=0)])
+    for out in outs[:2]:
+        assert out.finish_reason == "stop" and _is_person(json.loads(out.text)), out.text
+    # A free request in the same batch is untouched.
+    assert outs[2].token_ids == llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0].token_ids
+    obj = llm.chat([{"role": "user", "content": 'Reply with the JSON object {"ok": true}.'}],
+                   SamplingParams(max_tokens=120, temperature=0, json_object=True))
+    assert obj.finish_reason == "stop" and isinstance(json.loads(obj.text), dict), obj.text
+
+
+def test_unsupported_json_schema_is_refused(llm):
+    with pytest.raises(ValueError, match="^json_schema: this schema is not supported"):
+        llm.generate(["hi"], SamplingParams(max_tokens=4, json_schema={"type": "no-such-type"}))

@@ -11,63 +11,19 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from serving import MAX_MODEL_LEN, MODEL, ROOT, Server, client, metrics
 
 from engine import LLM, SamplingParams
 
-ROOT = Path(__file__).resolve().parents[1]
-MODEL = "llama"
-MAX_MODEL_LEN = 512
 API_KEY = "test-key-3f9a"
-STARTUP_TIMEOUT_S = 240        # the model loads in seconds, but CI cores are shared
 GREEDY = {"temperature": 0.0, "max_tokens": 12}
-
-
-class Server:
-    def __init__(self, *extra: str):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="serve-", suffix=".log", delete=False)  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "serve.py"), "--model", MODEL, "--port", str(self.port),
-             "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-tokens", "8192", *extra],
-            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-            env={k: v for k, v in os.environ.items() if k != "MICROENGINE_API_KEY"})
-
-    def wait_healthy(self):
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.output()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        pytest.fail(f"server not healthy within {STARTUP_TIMEOUT_S}s:\n{self.output()[-3000:]}")
-
-    def output(self) -> str:
-        self.log.flush()
-        return Path(self.log.name).read_text(errors="replace")
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.log.close()
-        os.unlink(self.log.name)
 
 
 @pytest.fixture(scope="module")
@@ -97,20 +53,6 @@ def server(servers, reference):
 @pytest.fixture(scope="module")
 def keyed_server(servers, reference):
     return servers[1]
-
-
-def client(server: Server, key: str = "unused") -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
-
-
-def metrics(server: Server, headers=None) -> dict[str, float]:
-    text = httpx.get(server.url + "/metrics", headers=headers, timeout=30).text
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -214,11 +156,144 @@ def test_models_embeddings_and_metrics(server, reference):
         assert sum((a - b) ** 2 for a, b in zip(g, r)) ** 0.5 < 1e-4
         assert abs(sum(a * a for a in g) - 1) < 1e-4
     assert emb.usage.prompt_tokens == sum(len(reference.encode_prompt(t)) for t in texts)
-    m = metrics(server)
-    for name in ("microengine_kv_blocks_total", "microengine_requests_finished_total",
-                 'microengine_ttft_seconds{quantile="0.5"}', "microengine_itl_seconds_count"):
-        assert name in m
+    m = metrics(server)         # parsed by prometheus_client's parser, so the exposition is valid
+    for name in ("microengine_kv_cache_capacity_blocks", "microengine_requests_finished_total",
+                 "microengine_requests_waiting", "microengine_requests_rejected_total",
+                 'microengine_time_to_first_token_seconds_bucket{le="+Inf"}',
+                 "microengine_inter_token_latency_seconds_count", "microengine_request_queue_time_seconds_sum",
+                 'microengine_http_responses_total{code="200"}', "process_cpu_seconds_total"):
+        assert name in m, name
     assert m["microengine_requests_finished_total"] > 0
+    for histogram in ("time_to_first_token", "inter_token_latency", "request_queue_time"):
+        name = f"microengine_{histogram}_seconds"
+        buckets = sorted((float(k.split('le="')[1][:-2]), v) for k, v in m.items() if k.startswith(name + "_bucket"))
+        counts = [v for _, v in buckets]
+        assert len(counts) > 5 and counts == sorted(counts) and counts[-1] == m[name + "_count"] > 0
+
+
+def test_tiny_temperatures_sample_greedily(server, reference):
+    """Issue 26.1: a tiny valid temperature used to overflow the fp32 logits and return ""."""
+    c = client(server)
+    ref = reference.generate([COMPLETION_PROMPT], SamplingParams(**GREEDY))[0].text
+    assert ref.strip()
+    out = c.completions.create(model=MODEL, prompt=COMPLETION_PROMPT, max_tokens=12, temperature=5e-324)
+    assert out.choices[0].text == ref
+    ref_chat = reference.chat(CHAT, SamplingParams(**GREEDY)).text
+    out = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=1e-39)
+    assert out.choices[0].message.content == ref_chat
+
+
+EMOJI_CHAT = [{"role": "user", "content": "Repeat exactly: \U0001F600\U0001F603\U0001F604 \u65e5\u672c\u8a9e"}]
+
+
+def test_logprob_bytes_are_each_tokens_utf8_bytes(server, reference):
+    """Issue 26.2: a token holding part of a character came back as U+FFFD with bytes [239, 191, 189]."""
+    params = {"temperature": 0, "max_tokens": 22}
+    ref = reference.chat(EMOJI_CHAT, SamplingParams(**params))
+    out = client(server).chat.completions.create(model=MODEL, messages=EMOJI_CHAT, logprobs=True, top_logprobs=2,
+                                                 **params)
+    text, content = out.choices[0].message.content, out.choices[0].logprobs.content
+    assert text == ref.text and "\U0001F600" in text and len(content) == len(ref.token_ids)
+    special = set(reference.tokenizer.all_special_ids)
+    joined = b"".join(bytes(e.bytes) for tid, e in zip(ref.token_ids, content) if tid not in special)
+    assert joined.decode("utf-8") == text          # every token's real bytes, partial characters included
+    partial = [e for e in content if not _is_utf8(bytes(e.bytes))]
+    assert partial, "the output should hold tokens that split a character"
+    for e in content:
+        assert e.bytes != [0xEF, 0xBF, 0xBD]
+        assert e.top_logprobs[0].bytes == e.bytes       # greedy: the top entry is the chosen token
+    for e in partial:                                   # OpenAI's spelling of a token that is no text
+        assert e.token == "bytes:" + "".join(f"\\x{b:02x}" for b in e.bytes)
+
+
+def _is_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def test_completion_text_offsets_point_into_the_text(server, reference):
+    """Issue 26.3: text_offset counted a U+FFFD per partial token and ran past the text."""
+    prompt = "\U0001F600\U0001F603\U0001F604\U0001F601\U0001F606\U0001F605\U0001F602\U0001F923"
+    kw = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "logprobs": 1, "temperature": 0}
+    out = client(server).completions.create(**kw)
+    text, lp = out.choices[0].text, out.choices[0].logprobs
+    assert text == reference.generate([prompt], SamplingParams(temperature=0, max_tokens=6))[0].text
+    assert len(text) < 6 and len(lp.text_offset) == len(lp.tokens) == 6    # tokens that split characters
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert all(off < len(text) for off in lp.text_offset)
+    for token, off in zip(lp.tokens, lp.text_offset):
+        if not token.startswith("bytes:"):
+            assert text[off:off + len(token)] == token
+    streamed_tokens, streamed_offsets, streamed_text = [], [], ""
+    for chunk in client(server).completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            streamed_text += ch.text
+            if ch.logprobs is not None:
+                streamed_tokens += ch.logprobs.tokens
+                streamed_offsets += ch.logprobs.text_offset
+    assert (streamed_text, streamed_tokens, streamed_offsets) == (text, lp.tokens, lp.text_offset)
+
+
+def test_null_means_the_default(server, reference):
+    """Issue 26.4: explicit null (allowed by the spec) got 400 for temperature, top_p, n, ..."""
+    nulls = dict.fromkeys(["temperature", "top_p", "n", "presence_penalty", "frequency_penalty", "logprobs",
+                           "stream", "seed", "stop", "user", "stream_options", "top_logprobs",
+                           "max_completion_tokens", "ignore_eos"])
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 6,
+                                                    "seed": 11, **{k: v for k, v in nulls.items() if k != "seed"}})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert len(body["choices"]) == 1 and body["choices"][0]["logprobs"] is None
+        # null took the defaults (temperature 1, top_p 1, no penalties): the same tokens as those given.
+        explicit = http.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": CHAT, "max_tokens": 6, "seed": 11, "temperature": 1.0, "top_p": 1.0,
+            "presence_penalty": 0, "frequency_penalty": 0, "n": 1, "stream": False}).json()
+        assert body["choices"][0]["message"] == explicit["choices"][0]["message"]
+        comp_nulls = {k: v for k, v in nulls.items() if k not in ("max_completion_tokens", "top_logprobs")}
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3, **comp_nulls})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["logprobs"] is None
+    # The official client sends None as null too.
+    out = client(server).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=None,
+                                                 top_p=None, n=None, presence_penalty=None, logprobs=None)
+    assert out.choices[0].finish_reason in ("stop", "length")
+
+
+def test_message_name_is_accepted(server, reference):
+    """Issue 26.5: messages[].name got 400 unsupported_parameter."""
+    messages = [{"role": "system", "content": "You answer in one short sentence.", "name": "rules"},
+                {"role": "user", "content": "What is the capital of Italy?", "name": "alice"}]
+    out = client(server).chat.completions.create(model=MODEL, messages=messages, **GREEDY)
+    assert out.choices[0].message.content == reference.chat(messages, SamplingParams(**GREEDY)).text
+
+
+PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+                 "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_response_format_constrains_the_output(server, reference):
+    """response_format json_schema and json_object, through constrained decoding (xgrammar)."""
+    c = client(server)
+    messages = [{"role": "user", "content": "Describe a person."}]
+    ref = reference.chat(messages, SamplingParams(temperature=0, max_tokens=120, json_schema=PERSON_SCHEMA))
+    out = c.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=120,
+                                    response_format={"type": "json_schema", "json_schema": {
+                                        "name": "person", "schema": PERSON_SCHEMA, "strict": True}})
+    person = json.loads(out.choices[0].message.content)
+    assert out.choices[0].message.content == ref.text and out.choices[0].finish_reason == "stop"
+    assert set(person) == {"name", "age"} and isinstance(person["name"], str) and isinstance(person["age"], int)
+
+    text, finish = "", None
+    for chunk in c.completions.create(model=MODEL, prompt="A small JSON object:", temperature=0, max_tokens=120,
+                                      stream=True, extra_body={"response_format": {"type": "json_object"}}):
+        for ch in chunk.choices:
+            text += ch.text
+            finish = ch.finish_reason or finish
+    assert finish == "stop" and isinstance(json.loads(text), dict), text
 
 
 def test_64_concurrent_streams(server, reference):
@@ -301,7 +376,11 @@ def _malformed_cases(long_prompt: str):
          "stream_options"),
         ("user not a string", *chat(user=5), 400, "user"),
         ("tools", *chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
-        ("response_format", *chat(response_format={"type": "json_object"}), 400, "response_format"),
+        ("response_format type", *chat(response_format={"type": "yaml"}), 400, "response_format.type"),
+        ("response_format without schema", *chat(response_format={"type": "json_schema"}), 400,
+         "response_format.json_schema"),
+        ("unsupported json schema", *comp(response_format={"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "no-such-type"}}}), 400, "response_format"),
         ("logit_bias", *comp(logit_bias={"50256": -100}), 400, "logit_bias"),
         ("echo", *comp(echo=True), 400, "echo"),
         ("suffix", *comp(suffix="!"), 400, "suffix"),
@@ -355,7 +434,7 @@ def test_malformed_requests_get_openai_errors(server, reference):
 
 def test_disconnects_abort_and_free_blocks(server, reference):
     before = metrics(server)
-    assert before["microengine_running"] == 0
+    assert before["microengine_requests_running"] == 0
 
     async def connect_and_leave(http, i):
         body = {"model": MODEL, "prompt": f"Story {i}: once upon a time", "max_tokens": 400,
@@ -382,15 +461,15 @@ def test_disconnects_abort_and_free_blocks(server, reference):
     deadline = time.monotonic() + 30
     while True:
         m = metrics(server)
-        if m["microengine_running"] == 0 and m["microengine_waiting"] == 0:
+        if m["microengine_requests_running"] == 0 and m["microengine_requests_waiting"] == 0:
             break
         assert time.monotonic() < deadline, f"requests still running: {m}"
         time.sleep(0.1)
     assert m["microengine_requests_aborted_total"] - before["microengine_requests_aborted_total"] == 22
     assert m["microengine_requests_finished_total"] == before["microengine_requests_finished_total"]
     # Prefix-cached blocks of the aborted prompts count as free (evictable) in the engine's pool.
-    assert m["microengine_kv_blocks_used"] == before["microengine_kv_blocks_used"] == 0
-    assert m["microengine_kv_blocks_free"] == m["microengine_kv_blocks_total"]
+    assert m["microengine_kv_cache_used_blocks"] == before["microengine_kv_cache_used_blocks"] == 0
+    assert m["microengine_kv_cache_free_blocks"] == m["microengine_kv_cache_capacity_blocks"]
 
 
 def test_cli_has_every_engine_option():
@@ -402,7 +481,8 @@ def test_cli_has_every_engine_option():
         if f.name != "extra":
             assert "--" + f.name.replace("_", "-") in out.stdout, f.name
     for flag in ("--host", "--port", "--api-key", "--shutdown-timeout", "--max-request-bytes",
-                 "--allocator", "--memory-release"):
+                 "--max-queued-requests", "--allowed-hosts", "--header-timeout", "--body-timeout",
+                 "--max-connections", "--allocator", "--memory-release"):
         assert flag in out.stdout
 
 
