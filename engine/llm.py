@@ -366,7 +366,8 @@ class LLM:
             raise ValueError("texts: must be a non-empty string or a non-empty list of non-empty strings")
         ids = [self.encode_prompt(t) for t in texts]
         hidden = self._call(lambda: self.engine.hidden_states(ids))
-        return torch.stack([l2_norm(h.float().mean(0)) for h in hidden]).cpu()
+        fused = self.engine.config.fused_kernels is not False   # this engine's switch, not the process's
+        return torch.stack([l2_norm(h.float().mean(0), fused=fused) for h in hidden]).cpu()
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         """Logits at every position of one sequence: [len, vocab] fp32 (for scoring, perplexity)."""
