@@ -924,7 +924,8 @@ ENGINE_HELP = {
              "'llama-3.1-8b' (random weights), or a Hugging Face Llama directory",
     "device": "cuda, cuda:N or cpu (default: cuda when there is one)",
     "dtype": "model dtype: bf16, fp16 or fp32 (default: bf16 on cuda, fp32 on cpu)",
-    "weights": "linear-layer weight format",
+    "weights": "linear-layer weight format (default: bf16, or what a compressed-tensors checkpoint "
+               "stores, which loads as stored: another format is an error)",
     "sparse_ffn": "prune the FFN weights to 2:4 with this method (alone: magnitude)",
     "fused_kernels": "fused Triton norm/RoPE/SwiGLU kernels; off: PyTorch references (attention "
                      "always uses its Triton kernels on cuda) (default: on)",

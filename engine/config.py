@@ -42,7 +42,9 @@ class EngineConfig:
     tokenizer: str | None = None
     device: str | None = None             # None: cuda if there is one, else cpu
     dtype: str | torch.dtype | None = None  # None: bf16 on cuda, fp32 on cpu
-    weights: str = "bf16"                 # linear-layer weight format: bf16 (the model dtype), fp8, nvfp4
+    # Linear-layer weight format: bf16 (the model dtype), fp8, nvfp4. None: bf16, or what a
+    # compressed-tensors checkpoint stores (which loads as stored: asking for another format is an error).
+    weights: str | None = None
     sparse_ffn: str | None = None         # None, "magnitude" or "wanda": prune FFN weights to 2:4
     fused_kernels: bool | None = None     # fused Triton norm/RoPE/SwiGLU kernels; None: on (where Triton runs)
     # "on": tune the GEMM kernels at start for the shapes and M buckets this engine runs, cached on
@@ -72,7 +74,7 @@ class EngineConfig:
     def __post_init__(self):
         if self.tokenizer is None:
             self.tokenizer = os.environ.get("MICROENGINE_TOKENIZER")
-        if self.weights not in WEIGHT_FORMATS:
+        if self.weights is not None and self.weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights: {self.weights!r} is not one of {', '.join(WEIGHT_FORMATS)}")
         if self.tune not in ("on", "off"):
             raise ValueError(f"tune: {self.tune!r} is not 'on' or 'off'")
@@ -90,3 +92,19 @@ class EngineConfig:
             raise ValueError("max_num_seqs: must be >= 1")
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError("max_num_batched_tokens: must be at least one block")
+
+
+def resolve_formats(config: EngineConfig, stored) -> EngineConfig:
+    """`config` with `weights` filled in: bf16 by default, or what a compressed-tensors checkpoint
+    stores (`stored`, models/compressed.py CheckpointFormat), which loads as stored and is never
+    converted: asking for another weight format, or to prune a checkpoint that is not 2:4, is an error."""
+    import dataclasses
+    if stored is None:
+        return dataclasses.replace(config, weights=config.weights or "bf16")
+    if config.weights is not None and config.weights != stored.weights:
+        raise ValueError(f"weights: {config.weights!r} was asked for, but {config.model} is a compressed-tensors "
+                         f"checkpoint of {stored.describe()}, which loads as stored (leave weights unset)")
+    if config.sparse_ffn is not None and not stored.sparse_ffn:
+        raise ValueError(f"sparse_ffn: {config.model} is a compressed-tensors checkpoint of {stored.describe()}, "
+                         "which loads as stored; it is not pruned to 2:4 (leave sparse_ffn unset)")
+    return dataclasses.replace(config, weights=stored.weights)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.batch import PLACEHOLDER, build_prefill_only, plan_batch
-from engine.config import EngineConfig, resolve_device, resolve_dtype
+from engine.config import EngineConfig, resolve_device, resolve_dtype, resolve_formats
 from engine.kernels.platform import triton_runs
 from engine.kernels.select import m_bucket
 from engine.kernels.tuner import Tuner
@@ -171,12 +171,15 @@ class Engine:
                                           self.dtype, seed=config.seed, tokenizer=config.tokenizer,
                                           draw_device=self.device)
         self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
+        # A compressed-tensors checkpoint's layers are already in their formats (loaded as stored).
+        self.config = config = resolve_formats(config, loaded.checkpoint)
+        self.stored_formats = loaded.checkpoint is not None
         self.model.set_fused_kernels(config.fused_kernels is not False)
         self.model_config = cfg = self.model.config
         self.streamer = None
         if layerwise:
             self.streamer = self._place_layers()
-        elif config.weights != "bf16" or config.sparse_ffn:
+        elif not self.stored_formats and (config.weights != "bf16" or config.sparse_ffn):
             norms = None
             if config.sparse_ffn == "wanda":
                 windows = calibration_windows(self.tokenizer)
@@ -261,7 +264,8 @@ class Engine:
 
         def place(i):
             model.layers[i].to(self.device)
-            convert_model(model, c.weights, c.sparse_ffn, layers=[i])
+            if not self.stored_formats:
+                convert_model(model, c.weights, c.sparse_ffn, layers=[i])
 
         place(0)    # Llama's layers are alike: the first one, converted, sizes the plan
         n = len(model.layers)

@@ -31,6 +31,9 @@ class LoadedModel:
     tokenizer: object
     name: str
     source: str          # "gguf", "hf" or "preset"
+    # A compressed-tensors checkpoint's formats (models/compressed.py): its decoder projections are
+    # already in their backends, which the engine then keeps.
+    checkpoint: object | None = None
 
 
 def embedded_gguf_path() -> str:
@@ -246,6 +249,8 @@ def load_hf_dir(path: str, device, dtype) -> LoadedModel:
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weight files")
+    from models import compressed
+    stored = compressed.checkpoint_format(hf, path, cfg.num_layers)
     model = LlamaForCausalLM(cfg, device=device, dtype=dtype)
 
     # Which HF tensor goes where: fused projections take row slices of one parameter.
@@ -269,6 +274,14 @@ def load_hf_dir(path: str, device, dtype) -> LoadedModel:
             p + "input_layernorm.weight": (layer.input_layernorm.weight, None),
             p + "post_attention_layernorm.weight": (layer.post_attention_layernorm.weight, None),
         })
+    # A compressed-tensors checkpoint's non-dense projections: their stored tensors are gathered
+    # ({projection: {local name: tensor}}) and each engine Linear's backend is built from them as stored.
+    stored_parts: dict[str, dict[str, torch.Tensor]] = {}
+    if stored is not None:
+        for hf_name, kind in stored.kinds.items():
+            if kind != "bf16":
+                del targets[hf_name + ".weight"]
+                stored_parts[hf_name] = {}
     seen = set()
     with _progress(len(targets), f"loading {os.path.basename(os.path.abspath(path))}") as bar:
         for fname in files:
@@ -276,6 +289,14 @@ def load_hf_dir(path: str, device, dtype) -> LoadedModel:
             try:
                 with safe_open(fpath, framework="pt") as f:
                     for key in f.keys():
+                        module, _, local = key.rpartition(".")
+                        if module in stored_parts:
+                            if local not in compressed.STORED_TENSORS[stored.kind(module)]:
+                                raise ModelLoadError(f"{fpath}: {key} does not belong to the "
+                                                     f"{stored.kind(module)} weight the quantization_config "
+                                                     "gives this layer")
+                            stored_parts[module][local] = f.get_tensor(key)
+                            continue
                         if key not in targets:
                             continue  # e.g. rotary inv_freq buffers of old checkpoints
                         param, rows = targets[key]
@@ -292,12 +313,34 @@ def load_hf_dir(path: str, device, dtype) -> LoadedModel:
             except Exception as e:  # safetensors raises on truncated headers/data
                 raise ModelLoadError(f"{fpath}: corrupt or truncated safetensors file "
                                      f"({type(e).__name__}: {e})") from e
-    missing = sorted(set(targets) - seen)
+    missing = sorted(set(targets) - seen) + sorted(
+        f"{m}.{t}" for m, have in stored_parts.items() for t in compressed.STORED_TENSORS[stored.kind(m)]
+        if t not in have)
     if missing:
         raise ModelLoadError(f"{path}: {len(missing)} weights missing, e.g. {missing[0]}")
+    if stored is not None:
+        _fill_stored_backends(model, stored, stored_parts, dtype, device)
     from transformers import AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except Exception as e:
         raise ModelLoadError(f"{path}: no usable tokenizer files ({e})") from e
-    return LoadedModel(model, tok, os.path.basename(os.path.abspath(path)), "hf")
+    return LoadedModel(model, tok, os.path.basename(os.path.abspath(path)), "hf", stored)
+
+
+def _fill_stored_backends(model, stored, stored_parts, dtype, device) -> None:
+    """Each decoder Linear whose projections the checkpoint stores quantised or 2:4 gets the backend
+    built from those tensors (models/compressed.py); the stored tensors are released as it goes."""
+    from models import compressed
+    for i, layer in enumerate(model.layers):
+        for fused, parts in compressed.FUSED_PROJECTIONS.items():
+            kind = compressed.fused_kind(stored, i, fused)
+            if kind == "bf16":
+                continue
+            linear = layer.get_submodule(fused)
+            names = [f"model.layers.{i}.{p}" for p in parts]
+            linear.backend = compressed.build_backend(kind, [stored_parts.pop(n) for n in names], names,
+                                                      linear.in_features, dtype, device)
+            if linear.backend.out_features != linear.out_features:
+                raise ModelLoadError(f"{', '.join(names)}: {linear.backend.out_features} rows in all, "
+                                     f"the config.json shapes say {linear.out_features}")

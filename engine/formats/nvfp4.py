@@ -292,12 +292,17 @@ class Nvfp4Weight(WeightFormat):
     the shape allows (what the Hopper kernels read fastest), row-major with blocked scales on sm_100."""
     name = "nvfp4"
 
-    def __init__(self, weight: Nvfp4Tensor, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, weight: Nvfp4Tensor, dtype: torch.dtype = torch.bfloat16,
+                 global_scale: torch.Tensor | None = None):
+        """global_scale: a compressed-tensors checkpoint's divisor (w = e2m1 * block_scale / global);
+        weight.tensor_scale is then its fp32 reciprocal, what the kernels multiply by, and
+        `dequantize` divides by global_scale as compressed-tensors does (models/compressed.py)."""
         super().__init__(*weight.shape)
         self.register_buffer("packed", weight.packed)
         self.register_buffer("block_scale", weight.block_scale)
         self.register_buffer("tensor_scale", weight.tensor_scale.float().reshape(()))
         self.register_buffer("blocked_scale", weight.blocked_scale)  # None but on sm_100
+        self.register_buffer("global_scale", None if global_scale is None else global_scale.float().reshape(()))
         self.dtype = dtype
 
     @classmethod
@@ -331,7 +336,14 @@ class Nvfp4Weight(WeightFormat):
                 select(NVFP4_SWIGLU, self._problem("nvfp4_swiglu", m, self.dtype))
 
     def dequantize(self) -> torch.Tensor:
-        return dequantize(self.tensor, self.dtype)
+        if self.global_scale is None:
+            return dequantize(self.tensor, self.dtype)
+        # fp32 e2m1 * (block_scale / global), in compressed-tensors' order of operations.
+        t = to_rows(self.tensor)
+        n, k = t.shape
+        values = e2m1_decode(unpack_nibbles(t.packed)).reshape(n, k // BLOCK, BLOCK)
+        scale = t.block_scale.float() / self.global_scale
+        return (values * scale.unsqueeze(-1)).reshape(n, k).to(self.dtype)
 
     def weight_bytes(self) -> int:
         return self.tensor.nbytes

@@ -1,0 +1,285 @@
+"""compressed-tensors checkpoints load as stored: checkpoints written in the test by compressed-tensors
+itself from a tiny random Llama; the engine's weights equal compressed-tensors' own decompression bit
+for bit, logits match transformers reading the same checkpoint, and what cannot run is refused."""
+import json
+
+import pytest
+import torch
+
+ct = pytest.importorskip("compressed_tensors")
+
+CPU = torch.device("cpu")
+IDS = list(range(5, 300, 7))
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def _prune_ffn_24(model):
+    from engine.formats.sparse24 import prune_24
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for lin in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                lin.weight.copy_(prune_24(lin.weight))
+
+
+def _save(model, path, preset=None, tensor_scales=False, sparse=False):
+    """Quantise `model` with compressed-tensors (scales from its own qparam helpers, as an observer
+    computes them) and save it compressed, with the tokenizer. preset: a compressed-tensors scheme name."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationConfig, QuantizationStrategy,
+                                                 apply_quantization_config, preset_name_to_scheme)
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
+
+    from models.loader import embedded_tokenizer
+    if preset is not None:
+        scheme = preset_name_to_scheme(preset, ["Linear"])
+        if tensor_scales:
+            scheme.weights.strategy = QuantizationStrategy.TENSOR
+        apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+        with torch.no_grad():
+            for _, m in model.named_modules():
+                s = getattr(m, "quantization_scheme", None)
+                if s is None:
+                    continue
+                w, args = m.weight.float(), s.weights
+                if args.strategy == QuantizationStrategy.TENSOR_GROUP:
+                    gs = _fused_global_scale(model, m, generate_gparam)
+                    m.weight_global_scale.copy_(gs)
+                    blocks = w.reshape(w.shape[0], -1, 16)
+                    scale, _ = calculate_qparams(blocks.amin(-1), blocks.amax(-1), args, global_scale=gs)
+                else:
+                    dims = (1,) if args.strategy == QuantizationStrategy.CHANNEL else (0, 1)
+                    scale, _ = calculate_qparams(w.amin(dims, keepdim=True), w.amax(dims, keepdim=True), args)
+                m.weight_scale.copy_(scale.reshape(m.weight_scale.shape))
+        compressor = ModelCompressor.from_pretrained_model(model)
+        compressor.compress_model(model)
+    model.save_pretrained(path)
+    if preset is not None:
+        compressor.update_config(path)
+    if sparse:
+        _edit_config(path, lambda q: q.setdefault("quantization_config", {"quant_method": "compressed-tensors"})
+                     .update(sparsity_config={"format": "dense", "sparsity_structure": "2:4",
+                                              "targets": ["re:.*mlp.*"], "ignore": []}))
+    embedded_tokenizer().save_pretrained(path)
+
+
+def _fused_global_scale(model, module, generate_gparam):
+    """One NVFP4 global scale for q, k, v (and for gate, up): the smallest of theirs, as llm-compressor
+    fuses them (vLLM, like this engine, runs each fused projection with one)."""
+    for layer in model.model.layers:
+        for group in ((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                      (layer.mlp.gate_proj, layer.mlp.up_proj), (layer.self_attn.o_proj,), (layer.mlp.down_proj,)):
+            if any(module is g for g in group):
+                return torch.stack([generate_gparam(g.weight.float().amin(), g.weight.float().amax())
+                                    for g in group]).amin(0)
+    raise AssertionError("not a decoder projection")
+
+
+def _edit_config(path, edit):
+    cfg_path = path / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    edit(cfg)
+    cfg_path.write_text(json.dumps(cfg))
+
+
+def _ct_decompressed(path):
+    """{projection: fp32 weight} as compressed-tensors decompresses each stored projection (in fp32)."""
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+    from safetensors.torch import load_file
+    qc = QuantizationConfig.model_validate(json.loads((path / "config.json").read_text())["quantization_config"])
+    args = next(iter(qc.config_groups.values())).weights
+    sd = load_file(str(path / "model.safetensors"))
+    out = {}
+    for key in sd:
+        module = key.rsplit(".", 1)[0]
+        if key.endswith(".weight_packed"):
+            packed = sd[key]
+            q = unpack_fp4_from_uint8(packed, packed.shape[0], packed.shape[1] * 2, dtype=torch.float32)
+            out[module] = dequantize(q, sd[module + ".weight_scale"].float(), args=args,
+                                     global_scale=sd[module + ".weight_global_scale"], dtype=torch.float32)
+        elif key.endswith(".weight_scale") and module + ".weight" in sd:
+            scale = sd[key].float()
+            out[module] = dequantize(sd[module + ".weight"].float(), scale, args=args, dtype=torch.float32)
+    return out
+
+
+def _engine_weights(model, fused, layer):
+    from models.compressed import FUSED_PROJECTIONS
+    lin = model.layers[layer].get_submodule(fused)
+    return lin.backend, [f"model.layers.{layer}.{p}" for p in FUSED_PROJECTIONS[fused]]
+
+
+def _check_bit_exact(path, loaded, backend_name):
+    ref = _ct_decompressed(path)
+    from models.compressed import FUSED_PROJECTIONS
+    for i in range(len(loaded.model.layers)):
+        for fused in FUSED_PROJECTIONS:
+            backend, names = _engine_weights(loaded.model, fused, i)
+            assert backend.name == backend_name
+            expected = torch.cat([ref[n] for n in names])
+            got = backend.dequantize().float()
+            assert torch.equal(got, expected), (i, fused, (got - expected).abs().max())
+
+
+def _logits_match_transformers(path, max_err):
+    from transformers import AutoModelForCausalLM
+
+    from engine import LLM
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    llm = LLM(str(path), device="cpu", dtype="fp32")
+    try:
+        with torch.no_grad():
+            ref = hf(torch.tensor([IDS])).logits[0]
+        err = (llm.logits(IDS) - ref).abs().max().item()
+        assert err < max_err, err
+    finally:
+        llm.shutdown(timeout=1)
+
+
+@pytest.mark.parametrize("tensor_scales", [False, True], ids=["per-channel", "per-tensor"])
+def test_fp8_checkpoint_loads_as_stored(tmp_path, tensor_scales):
+    from models.loader import load_model
+    _save(_tiny_llama(), tmp_path, "FP8_DYNAMIC", tensor_scales=tensor_scales)
+    loaded = load_model(str(tmp_path), CPU, torch.float32)
+    _check_bit_exact(tmp_path, loaded, "fp8")
+    assert loaded.model.lm_head.backend.name == "bf16"      # the checkpoint's ignore list
+    assert loaded.checkpoint.weights == "fp8"
+    # transformers runs the same checkpoint with per-token FP8 activations (its fake quantisation).
+    _logits_match_transformers(tmp_path, 2e-3)
+
+
+def test_nvfp4_checkpoint_loads_as_stored(tmp_path):
+    from models.loader import load_model
+    model = _tiny_llama()
+    _save(model, tmp_path, "NVFP4A16")
+    loaded = load_model(str(tmp_path), CPU, torch.float32)
+    _check_bit_exact(tmp_path, loaded, "nvfp4")
+    # The stored bytes themselves, not only their product: packed codes and e4m3 block scales.
+    from safetensors.torch import load_file
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    o = loaded.model.layers[0].self_attn.o_proj.backend
+    assert torch.equal(o.packed, sd["model.layers.0.self_attn.o_proj.weight_packed"])
+    assert torch.equal(o.block_scale.view(torch.uint8), sd["model.layers.0.self_attn.o_proj.weight_scale"].view(torch.uint8))
+    # transformers' NVFP4 decompression on the CPU hands back bf16 weights that its fp32 model cannot
+    # multiply: the reference is compressed-tensors' decompressed weights run as a dense checkpoint.
+    from safetensors.torch import save_file
+
+    from engine import LLM
+    dense_dir = tmp_path / "dense"
+    dense_dir.mkdir()
+    dense = {k: v for k, v in sd.items() if k.rsplit(".", 1)[0] not in _ct_decompressed(tmp_path)}
+    dense.update({m + ".weight": w for m, w in _ct_decompressed(tmp_path).items()})
+    save_file(dense, str(dense_dir / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["quantization_config"]
+    (dense_dir / "config.json").write_text(json.dumps(cfg))
+    from models.loader import embedded_tokenizer
+    embedded_tokenizer().save_pretrained(dense_dir)
+    ours, ref = LLM(str(tmp_path), device="cpu", dtype="fp32"), LLM(str(dense_dir), device="cpu", dtype="fp32")
+    try:
+        assert ours.engine.model.layers[0].mlp.down_proj.backend.name == "nvfp4"
+        assert (ours.logits(IDS) - ref.logits(IDS)).abs().max().item() < 1e-3
+    finally:
+        ours.shutdown(timeout=1)
+        ref.shutdown(timeout=1)
+
+
+def test_sparse_24_checkpoints(tmp_path):
+    """Dense tensors holding a 2:4 pattern (sparsity_config format dense), alone and with FP8."""
+    from models.loader import load_model
+    model = _tiny_llama()
+    _prune_ffn_24(model)
+    dense = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _save(model, tmp_path / "bf16", sparse=True)
+    loaded = load_model(str(tmp_path / "bf16"), CPU, torch.float32)
+    gu = loaded.model.layers[1].mlp.gate_up_proj.backend
+    assert gu.name == "2:4"
+    assert torch.equal(gu.dequantize(), torch.cat([dense["model.layers.1.mlp.gate_proj.weight"],
+                                                   dense["model.layers.1.mlp.up_proj.weight"]]))
+    assert loaded.model.layers[1].self_attn.qkv_proj.backend.name == "bf16"
+
+    model = _tiny_llama()
+    _prune_ffn_24(model)
+    _save(model, tmp_path / "fp8", "FP8_DYNAMIC", sparse=True)
+    loaded = load_model(str(tmp_path / "fp8"), CPU, torch.float32)
+    assert loaded.model.layers[0].mlp.down_proj.backend.name == "2:4+fp8"
+    assert loaded.model.layers[0].self_attn.o_proj.backend.name == "fp8"
+    ref = _ct_decompressed(tmp_path / "fp8")
+    down = loaded.model.layers[0].mlp.down_proj.backend
+    assert torch.equal(down.dequantize(), ref["model.layers.0.mlp.down_proj"])
+
+
+def test_engine_formats_follow_the_checkpoint(tmp_path):
+    from engine.config import EngineConfig, resolve_formats
+    from models.compressed import CheckpointFormat
+    stored = CheckpointFormat({"model.layers.0.mlp.down_proj": "2:4+fp8", "model.layers.0.self_attn.o_proj": "fp8"})
+    assert resolve_formats(EngineConfig(model="ckpt"), stored).weights == "fp8"
+    assert resolve_formats(EngineConfig(model="ckpt", weights="fp8", sparse_ffn="magnitude"), stored).weights == "fp8"
+    with pytest.raises(ValueError, match="weights: 'nvfp4' was asked for.*fp8 with 2:4"):
+        resolve_formats(EngineConfig(model="ckpt", weights="nvfp4"), stored)
+    with pytest.raises(ValueError, match="sparse_ffn"):
+        resolve_formats(EngineConfig(model="ckpt", sparse_ffn="magnitude"),
+                        CheckpointFormat({"model.layers.0.mlp.down_proj": "fp8"}))
+    assert resolve_formats(EngineConfig(model="ckpt"), None).weights == "bf16"
+
+
+def test_unusable_checkpoints_are_refused(tmp_path):
+    from models.loader import ModelLoadError, load_model
+    _save(_tiny_llama(), tmp_path, "FP8_DYNAMIC")
+    original = (tmp_path / "config.json").read_text()
+
+    def refused(edit, match):
+        (tmp_path / "config.json").write_text(original)
+        _edit_config(tmp_path, edit)
+        with pytest.raises(ModelLoadError, match=match):
+            load_model(str(tmp_path), CPU, torch.float32)
+
+    def group(q):
+        return q["quantization_config"]["config_groups"]["group_0"]
+    # Schemes the engine cannot run, each named.
+    refused(lambda q: group(q)["weights"].update(num_bits=4, type="int", strategy="group", group_size=128),
+            r"config_groups.group_0 \(weights int4 group group 128.*not supported")
+    refused(lambda q: group(q)["weights"].update(symmetric=False), "asymmetric.*not supported")
+    refused(lambda q: group(q)["input_activations"].update(dynamic=False, strategy="tensor"),
+            "input activations float8 tensor static.*dynamic per-token FP8 activations only")
+    refused(lambda q: q["quantization_config"].update(quant_method="gptq"), "quant_method 'gptq'")
+    refused(lambda q: q["quantization_config"].update(ignore=[]), "lm_head is quantised")
+    refused(lambda q: q["quantization_config"].update(
+        sparsity_config={"format": "sparse-24-bitmask", "sparsity_structure": "2:4", "targets": ["Linear"]}),
+        "sparsity_config.format 'sparse-24-bitmask'")
+    # A config that contradicts the tensors: NVFP4 said, FP8 stored.
+    refused(lambda q: group(q).update(weights={"num_bits": 4, "type": "float", "strategy": "tensor_group",
+                                               "group_size": 16, "symmetric": True},
+                                      input_activations=None, format="nvfp4-pack-quantized"),
+            r"model\.safetensors: model\.layers\.\d\.\S+\.weight does not belong to the nvfp4 weight")
+    (tmp_path / "config.json").write_text(original)
+    # A truncated file.
+    shard = tmp_path / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:100_000])
+    with pytest.raises(ModelLoadError, match="model.safetensors: corrupt or truncated"):
+        load_model(str(tmp_path), CPU, torch.float32)
+
+
+def test_differing_nvfp4_global_scales_are_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from models.loader import ModelLoadError, load_model
+    _save(_tiny_llama(), tmp_path, "NVFP4A16")
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    key = "model.layers.0.self_attn.k_proj.weight_global_scale"
+    sd[key] = sd[key] * 2
+    save_file(sd, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="q_proj.*weight_global_scale differs"):
+        load_model(str(tmp_path), CPU, torch.float32)
