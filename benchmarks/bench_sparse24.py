@@ -7,7 +7,7 @@ sizes; also with the SwiGLU kernel after gate_up, for comparison), and FP8 dense
 eager and as a replayed CUDA graph; then every GEMM variant on its own. Each variant is checked
 against a float reference first. Times are medians over repetitions that each start with L2
 evicted by a read (benchmarks/timing.py `cold_ms`), so weights and activations come from HBM each
-time. (triton.testing.do_bench's writing flush charged every FFN block about 8 us of write-back.)
+time, and no write-back of a flush is charged to the block.
 
     python benchmarks/bench_sparse24.py [--out results.json] [--ms 1,16,128,1024,8192]
 """
@@ -22,7 +22,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-# The repository root, without replacing PYTHONPATH (which on the GPU machine carries torchao).
+# The repository root, without replacing PYTHONPATH (which may carry packages such as torchao).
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from engine.kernels import sparse24 as s24  # noqa: E402
