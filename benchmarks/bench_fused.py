@@ -11,9 +11,10 @@ per layer per token (counted, not timed), and a small sweep of launch configurat
     python benchmarks/bench_fused.py --check    # correctness checks only
 
 Times are medians of benchmarks/timing.py `cold_ms`: L2 is evicted by reading 256 MB before every
-timed call, so inputs come from HBM, not L2 (a read, not triton.testing.do_bench's writing flush,
-whose write-back of dirty lines no real call pays). The events bracket the Python launch too: at 1
-and 64 tokens the times are launch-bound (host launch cost included), not a measure of the kernels.
+timed call, so inputs come from HBM, not L2 (a flush that writes, as triton.testing.do_bench's
+does, would also charge each call the write-back of its dirty lines). The events bracket
+the Python launch too: at 1 and 64 tokens the times are launch-bound (host launch cost included),
+not a measure of the kernels.
 """
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-# The repository root, without replacing PYTHONPATH (which on the GPU machine carries torchao).
+# The repository root, without replacing PYTHONPATH (which may carry packages such as torchao).
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from engine.formats import sparse24 as s24  # noqa: E402

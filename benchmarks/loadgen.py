@@ -1,6 +1,6 @@
 """Load generator for serve.py: closed-loop streaming clients at several concurrency levels.
 
-    python serve.py --model llama &                       # on the GPU machine
+    python serve.py --model llama &                       # on a GPU machine
     python benchmarks/loadgen.py                          # 1, 16, 64, 256 clients
     python benchmarks/loadgen.py --quick                  # CPU smoke run
 

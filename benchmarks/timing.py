@@ -7,8 +7,8 @@ GPU's work.
 `event_ms`: one call at a time between CUDA events (a captured graph's replay, say).
 `cold_ms`: the same, each call after `evict_l2`, so its operands come from HBM. The eviction
 reads 256 MB. triton.testing.do_bench evicts by writing a buffer instead; the timed call's loads
-then force those dirty lines back to HBM, which cost each call about 8 us on an H200 (an FFN block:
-103.0 against 93.7 us), a cost no real step pays.
+then force those dirty lines back to HBM, a cost no real step pays (BENCHMARKS.md, 2:4 section,
+has its size).
 """
 from __future__ import annotations
 

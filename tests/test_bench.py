@@ -3,23 +3,25 @@ quality column and the output files."""
 import argparse
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-def test_bench_quick_runs_every_configuration(tmp_path):
+def test_bench_quick_runs_every_configuration(tmp_path, monkeypatch, capsys):
+    """In this process, so that the quality column's engines share the session's read of the
+    embedded model (tests/conftest.py). The quality column runs for dense and one lossy format:
+    its loop is the same for each, and tests/test_formats.py measures every format's perplexity."""
+    import bench
+    from engine.memory import allocator
     out = tmp_path / "bench"
-    proc = subprocess.run([sys.executable, "bench.py", "--quick", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900,
-                          check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    monkeypatch.setattr(bench, "QUALITY", {k: bench.QUALITY[k] for k in ("dense", "fp8")})
+    monkeypatch.setenv(allocator.ENV, os.environ.get(allocator.ENV, ""))   # bench.main sets them:
+    monkeypatch.setattr(allocator, "_release", allocator._release)        # restored afterwards
+    bench.main(["--quick", "--out", str(out)])
+    assert "wrote" in capsys.readouterr().out
     results = json.loads((out / "results.json").read_text())
     rows = {r["config"]: r for r in results["configs"]}
-    from bench import CONFIGS
+    CONFIGS = bench.CONFIGS
     assert set(rows) == set(CONFIGS) | {"HF transformers"}
     assert CONFIGS["overlap-off"] == ({"overlap": False}, True)
     for name, row in rows.items():
@@ -27,6 +29,7 @@ def test_bench_quick_runs_every_configuration(tmp_path):
         assert row["prefill_tok_s"] > 0 and row["decode_b1_tok_s"] > 0
     assert rows["dense"]["agreement"] == 1.0
     quality = results["quality"]
+    assert set(quality) == {"dense", "fp8"}
     assert all(v["perplexity"] > 1 and 0 < v["top1_agreement"] <= 1 for v in quality.values()), quality
     assert quality["dense"]["top1_agreement"] == 1.0
     assert (out / "results.md").read_text().count("|") > 20

