@@ -12,7 +12,7 @@ The choice is cached per (op, architecture, M bucket, N, K, detail): every later
 lookup. It is logged once per such key. A CUDA call that ends on the reference warns once, with
 every skipped kernel's reason; an op with no kernel that can run raises ValueError with them.
 
-M buckets are powers of two (1, 2, 4, ..., 2^20): every M limit in a kernel list is a power of two,
+M buckets are powers of two (1, 2, 4, ...): every M limit in a kernel list is a power of two,
 so a bucket never straddles one.
 """
 from __future__ import annotations
