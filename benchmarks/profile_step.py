@@ -3,10 +3,16 @@
     python benchmarks/profile_step.py --model llama-3.1-8b --weights fp8 --prefill 4x2048
     python benchmarks/profile_step.py --model llama-3.1-8b --decode 64
     python benchmarks/profile_step.py --model llama-3.1-8b --weights nvfp4 --graph 1,16
+    python benchmarks/profile_step.py --model llama-3.1-8b --sparse-ffn magnitude --prefill 4x2048 --host
 
 Builds the engine (random weights for presets), runs the step once to warm up (compilation,
 autotuning), then profiles the same step again with torch.profiler and prints the CUDA kernels
 that took the most time, with their share of the step.
+
+--host: where the host's time of the same step goes instead: the step runs under cProfile (the GPU
+work is queued, not waited for, except where the host itself waits), and the functions with the
+most time of their own and the most time in all are printed, with the step's wall time and the
+time the host spent waiting for the device (`Engine.stats`).
 
 --graph B1,B2,..: the decode step as it runs in serving, a captured CUDA graph (engine/cuda_graphs.py)
 at each batch size, every sequence at --context tokens. Prints the median replay time (CUDA events,
@@ -45,6 +51,7 @@ def main(argv=None) -> None:
     ap.add_argument("--graph", default=None, help="profile the captured decode graph at these batch sizes")
     ap.add_argument("--context", type=int, default=512, help="--graph: tokens in each sequence's KV cache")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--host", action="store_true", help="profile the host side of the step (cProfile)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("profile_step.py profiles CUDA kernels: it needs a GPU")
@@ -66,6 +73,8 @@ def main(argv=None) -> None:
         what = f"prefill of {seqs} x {length} tokens"
         todo = lambda tag: requests(tag, seqs, 1)   # noqa: E731
     run(engine, todo("warm"))
+    if args.host:
+        return profile_host(engine, todo("prof"), what, args)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         run(engine, todo("prof"))
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -76,6 +85,27 @@ def main(argv=None) -> None:
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:args.top]:
         print(f"| {e.key[:90]} | {e.count} | {e.self_device_time_total / 1e3:.2f} "
               f"| {100 * e.self_device_time_total / total:.1f}% |")
+
+
+def profile_host(engine: Engine, requests, what: str, args) -> None:
+    import cProfile
+    import pstats
+    import time
+    steps0, host0 = engine.stats["steps"], engine.stats["host_s"]
+    profiler = cProfile.Profile()
+    t0 = time.perf_counter()
+    profiler.enable()
+    run(engine, requests)
+    profiler.disable()
+    wall = time.perf_counter() - t0
+    steps = engine.stats["steps"] - steps0
+    print(f"# {args.model} weights={args.weights} sparse_ffn={args.sparse_ffn}: {what}; {steps} steps, "
+          f"{wall * 1e3:.1f} ms wall under cProfile, host time per step (Engine.stats) "
+          f"{(engine.stats['host_s'] - host0) / max(steps, 1) * 1e3:.1f} ms")
+    stats = pstats.Stats(profiler)
+    for key in ("tottime", "cumulative"):
+        print(f"\n## by {key}")
+        stats.sort_stats(key).print_stats(args.top)
 
 
 def profile_graphs(args, batches: list[int]) -> None:
