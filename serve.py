@@ -568,29 +568,30 @@ def create_app(state: ServerState) -> FastAPI:
                              "finish_reason": _FINISH[c.finish_reason]} for i, c in enumerate(choices)],
                 "usage": usage(choices, req.n)}
 
-    async def chat_events(req: ChatCompletionRequest, streams, choices, request_id):
-        created = int(time.time())
+    async def stream_events(req, streams, choices, head, content, closing, logprobs, opening=None):
+        """The server-sent events of a streaming completion, the same for both endpoints: `opening`
+        (one frame's choices) first; then, per chunk, a frame with its text (`content(text)`: the
+        endpoint's text field) and log-probabilities (`logprobs(i, chunk)`, after the chunk is added
+        to its choice) and, when the choice ends, one with its finish reason (`closing`: the empty
+        text field); the usage frame if asked; an error event where the engine fails; [DONE]."""
         include_usage = req.include_usage()
-        head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                "model": state.model_name, "system_fingerprint": None}
 
         def frame(choice_list):
             return sse({**head, "choices": choice_list, **({"usage": None} if include_usage else {})})
 
-        yield frame([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None} for i in range(len(streams))])
+        if opening is not None:
+            yield frame(opening)
         try:
             async for i, chunk in merge_streams(streams):
                 choices[i].add(chunk)
                 if chunk.finish_reason == "abort":
                     yield sse(SHUTDOWN_ABORT)
                     break
-                lp = chat_logprobs(chunk.logprobs, token_text) if req.logprobs and chunk.logprobs else None
+                lp = logprobs(i, chunk)
                 if chunk.text or lp is not None:
-                    yield frame([{"index": i, "delta": {"content": chunk.text}, "logprobs": lp,
-                                  "finish_reason": None}])
+                    yield frame([{"index": i, **content(chunk.text), "logprobs": lp, "finish_reason": None}])
                 if chunk.finish_reason is not None:
-                    yield frame([{"index": i, "delta": {}, "logprobs": None,
+                    yield frame([{"index": i, **closing, "logprobs": None,
                                   "finish_reason": _FINISH[chunk.finish_reason]}])
             else:
                 if include_usage:
@@ -598,6 +599,17 @@ def create_app(state: ServerState) -> FastAPI:
         except Exception as exc:  # noqa: BLE001 - the status line is sent: the error goes in the stream
             yield sse(engine_failure(exc).body())
         yield SSE_DONE
+
+    def chat_events(req: ChatCompletionRequest, streams, choices, request_id):
+        head = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": state.model_name, "system_fingerprint": None}
+
+        def logprobs(i, chunk):
+            return chat_logprobs(chunk.logprobs, token_text) if req.logprobs and chunk.logprobs else None
+        opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None} for i in range(len(streams))]
+        return stream_events(req, streams, choices, head, lambda text: {"delta": {"content": text}},
+                             {"delta": {}}, logprobs, opening)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -630,37 +642,17 @@ def create_app(state: ServerState) -> FastAPI:
                              "finish_reason": _FINISH[c.finish_reason]} for i, c in enumerate(choices)],
                 "usage": usage(choices, req.n)}
 
-    async def completion_events(req: CompletionRequest, streams, choices, request_id):
-        created = int(time.time())
-        include_usage = req.include_usage()
+    def completion_events(req: CompletionRequest, streams, choices, request_id):
         offsets = [TextOffsets(token_text) for _ in streams]
-        head = {"id": request_id, "object": "text_completion", "created": created, "model": state.model_name,
-                "system_fingerprint": None}
+        head = {"id": request_id, "object": "text_completion", "created": int(time.time()),
+                "model": state.model_name, "system_fingerprint": None}
 
-        def frame(choice):
-            return sse({**head, "choices": [choice], **({"usage": None} if include_usage else {})})
-
-        try:
-            async for i, chunk in merge_streams(streams):
-                choices[i].add(chunk)
-                if chunk.finish_reason == "abort":
-                    yield sse(SHUTDOWN_ABORT)
-                    break
-                lp = None
-                if req.logprobs is not None and chunk.logprobs:
-                    final_len = len(choices[i].text) if chunk.finish_reason is not None else None
-                    lp = completion_logprobs(chunk.logprobs, token_text, offsets[i], final_len)
-                if chunk.text or lp is not None:
-                    yield frame({"index": i, "text": chunk.text, "logprobs": lp, "finish_reason": None})
-                if chunk.finish_reason is not None:
-                    yield frame({"index": i, "text": "", "logprobs": None,
-                                 "finish_reason": _FINISH[chunk.finish_reason]})
-            else:
-                if include_usage:
-                    yield sse({**head, "choices": [], "usage": usage(choices, req.n)})
-        except Exception as exc:  # noqa: BLE001 - the status line is sent: the error goes in the stream
-            yield sse(engine_failure(exc).body())
-        yield SSE_DONE
+        def logprobs(i, chunk):
+            if req.logprobs is None or not chunk.logprobs:
+                return None
+            final_len = len(choices[i].text) if chunk.finish_reason is not None else None
+            return completion_logprobs(chunk.logprobs, token_text, offsets[i], final_len)
+        return stream_events(req, streams, choices, head, lambda text: {"text": text}, {"text": ""}, logprobs)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
