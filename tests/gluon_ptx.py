@@ -1,5 +1,5 @@
 """Gluon kernels compiled for sm_90 on a machine without a GPU, and their PTX read back: shared by
-the CPU tests of engine/kernels/nvfp4_decode_gluon.py and engine/kernels/sparse24_sp_gluon.py."""
+the CPU tests of engine/kernels/nvfp4_gluon.py and engine/kernels/sparse24_gluon.py."""
 from __future__ import annotations
 
 import inspect

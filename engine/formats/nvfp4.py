@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.formats.base import WeightFormat
+from engine.kernels import nvfp4_triton
 from engine.kernels.platform import capability, cute_available
 from engine.kernels.select import Kernel, Problem, select
 
@@ -202,14 +203,12 @@ def _gluon_decode(x, w, config=None):
 
 
 def _triton_decode(x, w, config=None):
-    from engine.kernels.nvfp4_triton import decode_gemm
     out = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
-    return decode_gemm(x.to(torch.bfloat16), w, out, config)
+    return nvfp4_triton.decode_gemm(x.to(torch.bfloat16), w, out, config)
 
 
 def _dequant_cublas(x, w, config=None):
-    from engine.kernels.nvfp4_triton import dequantize_scratch
-    return F.linear(x.to(torch.bfloat16), dequantize_scratch(w)).to(x.dtype)
+    return F.linear(x.to(torch.bfloat16), nvfp4_triton.dequantize_scratch(w)).to(x.dtype)
 
 
 def _tcgen05(x, w, config=None):
@@ -232,7 +231,7 @@ def _reference(x, w, config=None):
     return nvfp4_linear_reference(x, w, x.dtype)
 
 
-TRITON_DECODE = Kernel("triton_decode", _triton_decode, max_m=128, check=_decodable)
+TRITON_DECODE = Kernel("triton_decode", _triton_decode, max_m=nvfp4_triton.MAX_M, check=_decodable)
 DEQUANT_CUBLAS = Kernel("dequantize_cublas", _dequant_cublas, check=_decodable)
 REFERENCE = Kernel("reference", _reference, reference=True)
 NVFP4_GEMM = {

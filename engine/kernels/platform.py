@@ -98,13 +98,14 @@ def torchao_sparse_fp8_available() -> bool:
         return False
 
 
+@functools.cache
 def library_versions() -> dict[str, str]:
     """Versions that change what a kernel compiles to: part of every tuning-cache key."""
     versions = {"torch": torch.__version__, "triton": getattr(triton, "__version__", "none")}
+    from importlib.metadata import PackageNotFoundError, version
     try:
-        from importlib.metadata import version
         versions["cutlass_dsl"] = version("nvidia-cutlass-dsl")
-    except Exception:  # not installed
+    except PackageNotFoundError:
         versions["cutlass_dsl"] = "none"
     return versions
 
@@ -112,4 +113,9 @@ def library_versions() -> dict[str, str]:
 def device_name(device: torch.device) -> str:
     if device.type != "cuda":
         return "cpu"
-    return torch.cuda.get_device_name(device)
+    return _device_name(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
