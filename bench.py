@@ -287,7 +287,7 @@ def bench_config(name, overrides, args, device, shared):
     # continuations differ, their own logits would describe different sequences.
     ref, ref_logits = shared.get("dense", (guard, None))
     with torch.inference_mode():
-        logits = engine.model.compute_logits(engine.hidden_states([guard_ids + ref])[0]).cpu()
+        logits = engine.sequence_logits(guard_ids + ref).cpu()
     if ref_logits is not None:
         row["agreement"] = sum(a == b for a, b in zip(guard, ref)) / len(ref)
         row["logits_rel_err"] = ((logits - ref_logits).norm() / ref_logits.norm()).item()

@@ -53,7 +53,17 @@ class BatchPlan:
     prefill_has_prefix: bool
     num_decodes: int
     num_fills: int                       # rows whose token comes from the previous step's samples
-    sampled: list[ScheduledSeq]
+    num_sampled: int
+    sampled: list[ScheduledSeq]          # (empty on a tensor-parallel worker: it samples nothing)
+
+    def shape(self) -> tuple:
+        """Everything but the fields' data and the sequences: what another rank needs (from_shape)."""
+        return (self.num_prefills, self.num_prefill_tokens, self.prefill_max_len, self.prefill_min_len,
+                self.prefill_has_prefix, self.num_decodes, self.num_fills, self.num_sampled)
+
+    @staticmethod
+    def from_shape(shape: tuple) -> "BatchPlan":
+        return BatchPlan(None, *shape, sampled=[])
 
     def batch(self, dev: dict[str, torch.Tensor], kv_cache) -> Batch:
         """The Batch over the uploaded fields (`dev`: name -> device tensor)."""
@@ -102,7 +112,7 @@ def plan_batch(scheduled: list[ScheduledSeq], block_size: int, pending: dict | N
         fields["fill_rows"] = (fill_rows, torch.int64)
         fields["fill_src"] = (fill_src, torch.int64)
     return BatchPlan(fields, np_, offsets[np_], max(lens, default=0), min(lens, default=0),
-                     any(s.start > 0 for s in prefills), len(decodes), len(fill_rows), sampled)
+                     any(s.start > 0 for s in prefills), len(decodes), len(fill_rows), len(sampled), sampled)
 
 
 def build_prefill_only(token_lists: list[list[int]], device) -> Batch:

@@ -70,6 +70,9 @@ class EngineConfig:
     # memory as the limit when gpu_memory_limit is not given.
     offload: bool = False
     seed: int = 0                         # seeds random preset weights and unseeded sampling
+    # Shard the model over this many GPUs (one process each, over NCCL; gloo on the CPU): the engine
+    # starts the other ranks itself, or joins those torchrun started (engine/parallel.py).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         if self.tokenizer is None:
@@ -88,6 +91,9 @@ class EngineConfig:
             raise ValueError("block_size: must be a power of two")
         if self.gpu_memory_limit is not None and self.gpu_memory_limit <= 0:
             raise ValueError("gpu_memory_limit: must be a positive number of GiB")
+        if not isinstance(self.tensor_parallel_size, int) or isinstance(self.tensor_parallel_size, bool) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size: must be a positive integer (got {self.tensor_parallel_size!r})")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs: must be >= 1")
         if self.max_num_batched_tokens < self.block_size:

@@ -10,6 +10,12 @@ decode rows take the tokens step N sampled straight from the device (the host ho
 until it reads them), so the host never waits for the GPU in the steady state. The cost is a lag of
 one step in seeing a finish: a sequence that sampled its EOS in step N has computed one more token
 in step N+1, which is dropped. `overlap=False` reads each step's tokens at once instead.
+
+With tensor parallelism (config.tensor_parallel_size > 1, engine/parallel.py) every rank builds
+this Engine on its shards, in the same order (so their collectives pair up: the KV cache size,
+calibration, graph capture). Rank 0 then schedules and samples; before each forward it sends the
+step's packed inputs to the other ranks, which run `replay_step` (the same upload and forward, and
+the sampled tokens of the step before broadcast from rank 0's device) and never sample.
 """
 from __future__ import annotations
 
@@ -23,13 +29,15 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.batch import PLACEHOLDER, build_prefill_only, plan_batch
+from engine.batch import PLACEHOLDER, BatchPlan, build_prefill_only, plan_batch
 from engine.config import EngineConfig, resolve_device, resolve_dtype, resolve_formats
 from engine.kernels.platform import triton_runs
 from engine.kernels.select import m_bucket
 from engine.kernels.tuner import Tuner
 from engine.linear import convert_model, input_channel_norms, tune_model
 from engine.memory.host_ring import PinnedRing
+from engine import parallel
+from engine.parallel import ParallelError
 from engine.memory.kv_cache import KVCache
 from engine.quality import calibration_windows
 from engine.sampling import Sampler, SamplingParams, TokenLogprob
@@ -155,21 +163,39 @@ class InFlight:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tp_rank: int = 0, tp_init: str | None = None):
+        """tp_rank, tp_init: set in a worker that rank 0 spawned (engine/parallel.py)."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        # Non-blocking CUDA streams on the GPU; on the CPU the same plumbing runs on no-op streams.
-        self.streams = StepStreams(self.device) if self.device.type == "cuda" else FakeStreams(keep_log=False)
         # Under a memory limit the model may not fit the device: it is loaded into host memory and
         # the decoder layers go to the device one at a time (_place_layers).
         layerwise = config.gpu_memory_limit is not None or config.offload
         if layerwise and config.sparse_ffn == "wanda":
             raise ValueError("sparse_ffn='wanda' calibrates on the whole resident model: it does not combine "
                              "with offload / gpu_memory_limit (use sparse_ffn='magnitude')")
+        self.tp, self.workers, self._driving = None, None, False
+        # Under torchrun (even one process: the distributed path at world size 1) ranks join its group.
+        if config.tensor_parallel_size > 1 or parallel.from_environment() is not None:
+            if layerwise:
+                raise ValueError("tensor_parallel_size: shards the model over GPUs; it does not combine with "
+                                 "offload / gpu_memory_limit")
+            self._join_group(config.tensor_parallel_size, tp_rank, tp_init)
+            try:
+                self._build(config, layerwise)
+            except BaseException:
+                self._abandon_group()
+                raise
+        else:
+            self._build(config, layerwise)
+        self._driving = self.tp is not None and self.tp.rank == 0    # from now on rank 0 leads
+
+    def _build(self, config: EngineConfig, layerwise: bool) -> None:
+        # Non-blocking CUDA streams on the GPU; on the CPU the same plumbing runs on no-op streams.
+        self.streams = StepStreams(self.device) if self.device.type == "cuda" else FakeStreams(keep_log=False)
         loaded = models.loader.load_model(config.model, torch.device("cpu") if layerwise else self.device,
                                           self.dtype, seed=config.seed, tokenizer=config.tokenizer,
-                                          draw_device=self.device)
+                                          draw_device=self.device, tp=self.tp)
         self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
         # A compressed-tensors checkpoint's layers are already in their formats (loaded as stored).
         self.config = config = resolve_formats(config, loaded.checkpoint)
@@ -188,8 +214,11 @@ class Engine:
         self.eos_ids = set(cfg.eos_token_ids)
         self.max_model_len = min(config.max_model_len or min(cfg.max_position_embeddings, 8192),
                                  cfg.max_position_embeddings)
-        self.kv_cache = KVCache(cfg.num_layers, self._num_kv_blocks(), config.block_size,
-                                cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        num_blocks = self._num_kv_blocks()
+        if self.tp is not None:     # rank 0 schedules for all: every rank must hold its blocks
+            num_blocks = self.tp.agree_min(num_blocks)
+        self.kv_cache = KVCache(cfg.num_layers, num_blocks, config.block_size,
+                                self.model.num_local_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.scheduler = Scheduler(self.kv_cache.pool, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.enable_prefix_caching)
         self.sampler = Sampler(self.device, config.seed)
@@ -198,6 +227,8 @@ class Engine:
         # Streamed layers swap their weights in forward hooks, which a captured graph would skip.
         if self.device.type == "cuda" and config.cuda_graphs and self.streamer is None:
             self._capture_graphs()
+            if self.tp is not None and not self.tp.agree_min(self.graphs is not None):
+                self.graphs = None      # every rank replays graphs, or none does
         self.ring = PinnedRing(3, 1 << 16, self.streams)
         self.readback = TokenReadback(self.streams, num_slots=2)
         self.in_flight: InFlight | None = None
@@ -213,9 +244,67 @@ class Engine:
             # do not sync with it, so everything it queued must be done first (once).
             torch.cuda.synchronize(self.device)
 
+    def _join_group(self, size: int, rank: int, init_method: str | None) -> None:
+        """Become rank `rank` of the tensor-parallel group: spawn the other ranks (rank 0, unless
+        torchrun started every rank), then join the process group on this rank's device."""
+        parallel.check_size(size, self.device)
+        local = rank
+        env = parallel.from_environment()
+        if init_method is None and env is not None:     # torchrun: every rank runs the caller's code
+            rank, world, local = env
+            if world != size:
+                raise ValueError(f"tensor_parallel_size: {size}, but torchrun started {world} processes")
+        elif init_method is None:
+            self.workers, init_method = parallel.start_workers(self.config, size)
+        self.device = parallel.rank_device(self.device, local)
+        try:
+            if self.workers is not None:    # a worker that dies before it joins is an error now
+                self.tp = self.workers.while_alive(lambda: parallel.init_group(rank, size, self.device,
+                                                                               init_method))
+            else:
+                self.tp = parallel.init_group(rank, size, self.device, init_method)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.join(0)
+            raise
+        log.info("tensor parallel rank %d of %d on %s", rank, size, self.device)
+
+    def _abandon_group(self) -> None:
+        """Building failed on this rank: the spawned ranks are killed, not waited for."""
+        if self.workers is not None:
+            self.workers.join(timeout=0)
+        self.tp = None
+        try:
+            import torch.distributed as dist
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def close(self) -> None:
+        """Rank 0: stop the other ranks and leave the process group (no process is left behind)."""
+        if self.tp is None:
+            return
+        tp, self.tp, self._driving = self.tp, None, False
+        try:
+            if tp.rank == 0:
+                tp.send(("stop",))
+        except ParallelError:
+            pass        # a rank is already gone; the others see the broken group and exit
+        if self.workers is not None:
+            self.workers.join(timeout=30)
+        try:
+            import torch.distributed as dist
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a broken group: the process goes on without it
+            pass
+
+    def idle(self) -> None:
+        """Called by the engine thread when it has nothing to run: keeps idle ranks in touch."""
+        if self._driving:
+            self.tp.keepalive()
     def _kv_bytes_per_token(self) -> int:
         cfg = self.model_config
-        return KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        return KVCache.bytes_per_token(cfg.num_layers, self.model.num_local_kv_heads, cfg.head_dim, self.dtype)
 
     def _activation_reserve(self) -> int:
         """Room for the largest step's activations (the gate/up output dominates, kept twice over for
@@ -436,6 +525,8 @@ class Engine:
             slot.put(name, data, dtype)
         if any(r.matcher is not None for r in reqs):     # serial steps: every matcher is up to date
             slot.put("token_bitmask", self.grammars().bitmask([r.matcher for r in reqs]), torch.int32)
+        if self._driving:
+            self.tp.send(("step", plan.shape(), *slot.contents()))
         now = time.perf_counter()
         for item in scheduled:
             req = self.requests[item.seq.request_id]
@@ -447,11 +538,9 @@ class Engine:
             batch = plan.batch(dev, self.kv_cache)
             if plan.num_fills:      # tokens the previous step sampled, straight from the device
                 batch.input_ids.index_copy_(0, dev["fill_rows"], prev.tokens.index_select(0, dev["fill_src"]))
-            if self.graphs is not None and batch.num_prefills == 0 and batch.num_decodes <= self.graphs.max_batch:
-                logits = self.graphs.run(batch)      # every decode row samples, in order
-            else:
-                hidden = self.model(batch.input_ids, batch.positions, batch)
-                logits = self.model.compute_logits(hidden[batch.logits_indices]) if plan.sampled else None
+                if self.tp is not None:
+                    self.tp.broadcast(batch.input_ids)
+            logits = self._forward(batch, bool(plan.sampled))
             out = []
             if plan.sampled:
                 out = self.sampler.sample(logits, params, [r.generator for r in reqs],
@@ -468,6 +557,27 @@ class Engine:
         tokens = out[0] if out else torch.empty(0, dtype=torch.int64, device=self.device)
         ticket = self.readback.send(out or [tokens])
         return InFlight(ticket, rows, tokens)
+
+    def _forward(self, batch, sampled: bool) -> torch.Tensor | None:
+        """The step's logits of its sampled rows: a decode graph's replay, or the model run eagerly."""
+        if self.graphs is not None and batch.num_prefills == 0 and batch.num_decodes <= self.graphs.max_batch:
+            return self.graphs.run(batch)      # every decode row samples, in order
+        hidden = self.model(batch.input_ids, batch.positions, batch)
+        return self.model.compute_logits(hidden[batch.logits_indices]) if sampled else None
+
+    def replay_step(self, shape: tuple, fields: dict, data: bytes) -> None:
+        """A worker rank: the forward of the step rank 0 sent (its inputs, uploaded the same way)."""
+        s = self.streams
+        plan = BatchPlan.from_shape(shape)
+        slot = self.ring.acquire()
+        slot.restore(fields, data)
+        with s.on(s.compute):
+            dev = self.ring.upload(slot)
+            batch = plan.batch(dev, self.kv_cache)
+            if plan.num_fills:
+                self.tp.broadcast(batch.input_ids)
+            self._forward(batch, plan.num_sampled > 0)
+        self.ring.release(slot)
 
     def _finish(self, step: InFlight) -> None:
         """Read a step's tokens back (waiting for its copy only) and hand them to the requests."""
@@ -527,20 +637,32 @@ class Engine:
 
     def hidden_states(self, token_lists: list[list[int]], check: bool = True) -> list[torch.Tensor]:
         """Final-norm hidden states of whole sequences (no KV kept), one [len, hidden] per sequence."""
+        return self.sequence_pass(token_lists, False, check)
+
+    def sequence_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """fp32 logits at every position of one sequence (no KV kept): [len, vocab]."""
+        return self.sequence_pass([list(token_ids)], True)[0]
+
+    def sequence_pass(self, token_lists: list[list[int]], logits: bool, check: bool = True) -> list[torch.Tensor]:
+        """One forward over whole sequences: per sequence its hidden states, or its logits."""
         for toks in token_lists if check else ():
             if not toks or len(toks) > self.max_model_len:
                 raise ValueError(f"input: each sequence needs 1..{self.max_model_len} tokens "
                                  f"(got {len(toks)})")
+        if self._driving:
+            self.tp.send(("hidden", token_lists, logits, False))
         # Runs on the caller's current stream (its results are used there), ordered after the steps
         # queued so far and before the ones queued later: streamed layers' buffers rely on that.
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.streams.compute)
         batch = build_prefill_only(token_lists, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, batch)
+        out = self.model(batch.input_ids, batch.positions, batch)
+        if logits:
+            out = self.model.compute_logits(out)
         if cuda:
             self.streams.compute.wait_stream(torch.cuda.current_stream(self.device))
-        return list(hidden.split([len(t) for t in token_lists]))
+        return list(out.split([len(t) for t in token_lists]))
 
     def metrics(self) -> dict:
         pool, s = self.kv_cache.pool, self.stats

@@ -5,6 +5,12 @@ backend module (engine/formats) that holds the weight as buffers in its own stor
 multiply by it. Loading always fills the dense weight first (`Linear.weight`); `Linear.convert(...)`
 then swaps in the format's backend and drops the dense copy, so the peak is one layer's dense
 weight, not the model's.
+
+Under tensor parallelism (engine/parallel.py) a Linear holds one rank's `Shard` of the full weight:
+`in_features` / `out_features` are the shard's, `full_shape` the whole weight's. Loading copies in
+the rank's part of each full tensor (`load`). A format is made from the full weight, gathered from
+every rank one Linear at a time, and then cut to the shard (`WeightFormat.shard`): each rank holds
+exactly its slice of what one GPU would hold (the same scales), never the whole model.
 """
 from __future__ import annotations
 
@@ -13,16 +19,30 @@ from torch import nn
 
 from engine.formats import DenseWeight, WeightFormat, format_class
 from engine.kernels.swiglu import swiglu
+from engine.parallel import Shard
 
 
 class Linear(nn.Module):
-    """A bias-free linear layer (Llama has no biases) whose weight format is a swappable backend."""
+    """A bias-free linear layer (Llama has no biases) whose weight format is a swappable backend.
 
-    def __init__(self, in_features: int, out_features: int, device=None, dtype=None):
+    in_features, out_features: the full weight's shape. shards: with tensor parallelism, every
+    rank's Shard of it (rank `tp.rank` holds shards[tp.rank]); None: the whole weight."""
+
+    def __init__(self, in_features: int, out_features: int, device=None, dtype=None,
+                 shards: list[Shard] | None = None, tp=None):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.backend: WeightFormat = DenseWeight(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.full_shape = (out_features, in_features)
+        self.shards = shards or [Shard.whole(out_features, in_features)]
+        self.tp = tp
+        self.shard = self.shards[tp.rank if tp is not None else 0]
+        self.out_features, self.in_features = self.shard.shape
+        self.backend: WeightFormat = DenseWeight(torch.empty(self.out_features, self.in_features,
+                                                             device=device, dtype=dtype))
         self.fused = True   # the engine's fused-kernels switch, for the SwiGLU after this GEMM
+
+    @property
+    def sharded(self) -> bool:
+        return self.shard != Shard.whole(*self.full_shape)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -53,11 +73,42 @@ class Linear(nn.Module):
                 return h.reshape(*x.shape[:-1], self.out_features // 2)
         return swiglu(self(x), quant, fused=self.fused)
 
+    def load(self, value: torch.Tensor, row0: int = 0) -> None:
+        """Copy in this rank's part of rows [row0, row0 + len(value)) of the full weight (a section
+        of a fused weight, e.g. k of q/k/v, starts at row0; by default value is the whole weight)."""
+        n, k = self.full_shape
+        if value.dim() != 2 or value.shape[1] != k or row0 + value.shape[0] > n:
+            raise ValueError(f"shape {tuple(value.shape)} at row {row0} does not fit a [{n}, {k}] weight")
+        dst, (c0, c1), local = self.weight, self.shard.cols, 0
+        for a, b in self.shard.rows:
+            lo, hi = max(a, row0), min(b, row0 + value.shape[0])
+            if lo < hi:
+                dst[local + lo - a:local + hi - a].copy_(value[lo - row0:hi - row0, c0:c1])
+            local += b - a
+
+    def full_weight(self) -> torch.Tensor:
+        """The whole dense weight: this rank's, or every rank's shard gathered (a collective)."""
+        w = self.backend.dequantize()
+        if not self.sharded:
+            return w
+        parts = self.tp.all_gather(w)
+        full = torch.empty(self.full_shape, dtype=w.dtype, device=w.device)
+        for shard, part in zip(self.shards, parts):
+            full[shard.row_index(w.device), shard.cols[0]:shard.cols[1]] = part
+        return full
+
+    def set_backend(self, backend: WeightFormat) -> None:
+        """Install a backend built for the full weight: cut to this rank's shard where sharded."""
+        if (backend.out_features, backend.in_features) != self.full_shape:
+            raise ValueError(f"a {backend.out_features} x {backend.in_features} weight for a layer of "
+                             f"{self.full_shape[0]} x {self.full_shape[1]}")
+        self.backend = backend.shard(self.shard) if self.sharded else backend
+
     def convert(self, fmt: str, **kwargs) -> None:
         """Replace the dense weight by backend `fmt` built from it (kwargs go to its from_dense)."""
         cls = format_class(fmt)
         if cls is not type(self.backend):
-            self.backend = cls.from_dense(self.backend.dequantize(), **kwargs)
+            self.set_backend(cls.from_dense(self.full_weight(), **kwargs))
 
     def extra_repr(self):
         return f"in={self.in_features}, out={self.out_features}, format={self.backend.name}"
@@ -81,8 +132,11 @@ def convert_model(model, weights: str = "bf16", sparse_ffn: str | None = None,
             score = None
             if sparse_ffn == "wanda":
                 from engine.formats.sparse24 import wanda_score
-                w = lin.backend.dequantize()
-                score = wanda_score(w, input_norms[name].to(w.device))
+                w = lin.full_weight()
+                norms = input_norms[name].to(w.device)
+                if lin.shard.cols != (0, lin.full_shape[1]):     # this rank's input channels: gather all
+                    norms = lin.tp.all_gather(norms).flatten()
+                score = wanda_score(w, norms)
             lin.convert("2:4+fp8" if weights == "fp8" else "2:4", score=score)
         elif weights != "bf16":
             lin.convert(weights)

@@ -22,6 +22,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import Engine, StreamChunk
 from engine.kernels.norms import l2_norm
+from engine.parallel import serve_steps
 from engine.sampling import SamplingParams, TokenLogprob
 from engine.scheduler import ContextLengthError  # noqa: F401  (re-exported)
 
@@ -144,6 +145,14 @@ class LLM:
             config = EngineConfig(model=model, device=device, dtype=dtype, **config_fields)
         self.config = config
         self.engine = Engine(config)
+        if self.engine.tp is not None and self.engine.tp.rank != 0:
+            # Under torchrun every rank runs the caller's program: ranks > 0 serve rank 0's steps here
+            # and leave when it stops; the program's code after this line runs on rank 0 only.
+            try:
+                serve_steps(self.engine)
+            finally:
+                self.engine.close()
+            raise SystemExit(0)
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len
@@ -190,12 +199,17 @@ class LLM:
                     try:
                         engine.step()
                     except Exception as exc:  # noqa: BLE001
+                        if engine.tp is not None:
+                            # A rank whose step failed may have left the others inside a collective:
+                            # the ranks are out of step, so the engine stops and fails every caller.
+                            raise
                         # A failed step (out of memory, a kernel error) fails the requests it held
                         # with its exception; the engine goes on serving the rest.
                         log.exception("engine step failed; failing the requests it held")
                         for rid in engine.fail_running():
                             self._fail_request(rid, exc)
                 else:
+                    engine.idle()
                     self._wake.wait(0.05)
                     self._wake.clear()
         except BaseException as exc:  # noqa: BLE001 - reported to every caller below
@@ -203,6 +217,7 @@ class LLM:
             error = exc
         finally:
             self._close(error)
+            engine.close()
 
     def _close(self, error: BaseException | None) -> None:
         """The engine thread is ending: fail the commands it will never run and the requests it will
@@ -374,10 +389,7 @@ class LLM:
         if not isinstance(token_ids, (list, tuple)) or not all(_is_token_id(t) for t in token_ids):
             raise TypeError(f"token_ids: must be a list of token ids (got {_describe(token_ids)})")
 
-        def run():
-            hidden = self.engine.hidden_states([list(token_ids)])[0]
-            return self.engine.model.compute_logits(hidden)
-        return self._call(run).cpu()
+        return self._call(lambda: self.engine.sequence_logits(token_ids)).cpu()
 
     def metrics(self) -> dict:
         return self._call(self.engine.metrics)

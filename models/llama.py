@@ -5,17 +5,83 @@ layers see no padding. Attention reads the step's layout (which rows are prefill
 decodes, where each sequence's KV blocks are) from the `Batch` built by engine/batch.py. Linear
 layers go through engine.linear (a backend per weight format); the memory-bound ops go through
 engine.kernels, which pick the fused kernel or the PyTorch reference.
+
+Tensor parallelism (`tp`, engine/parallel.py; Megatron's split): each rank holds
+- q/k/v and gate/up column-parallel: its query heads with their KV heads (split where the KV heads
+  divide by the ranks, each rank's one KV head replicated where the ranks divide by them) and its
+  slice of the FFN rows, so attention and SwiGLU run on local data;
+- o_proj and down_proj row-parallel (their K): each rank's product is a partial sum, all-reduced
+  once per projection. The all-reduce lands before the fused residual-add + RMSNorm that follows,
+  so no fusion straddles it;
+- the embedding and the LM head vocabulary-parallel: a lookup outside the rank's rows gives zeros
+  and one all-reduce sums them; each rank's logits slice is all-gathered for rank 0 to sample.
+Norm weights and RoPE are replicated. `tensor_parallel_shards` is the one place that says who holds
+what; weights are loaded through `load_weight`, which takes the rank's part of each full tensor.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import attention as attn_ops
 from engine.kernels.norms import rms_norm
 from engine.kernels.rope import apply_rope, rope_inv_freq
 from engine.linear import Linear
+from engine.parallel import Shard, split_evenly
 from models.presets import LlamaConfig
+
+
+def tensor_parallel_shards(cfg: LlamaConfig, size: int) -> dict[str, list[Shard]]:
+    """Every rank's Shard of each kind of weight ("qkv", "o", "gate_up", "down", "vocab"), and the
+    heads each rank runs ("heads", "kv_heads": [(first, count)] per rank). ValueError naming
+    tensor_parallel_size where the model does not split `size` ways."""
+    h, kv, hd, f, v, d = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+                          cfg.vocab_size, cfg.hidden_size)
+    for what, n in (("attention heads", h), ("FFN size", f), ("vocabulary", v)):
+        if n % size:
+            raise ValueError(f"tensor_parallel_size: {size} does not divide the model's {what} ({n})")
+    if kv % size and size % kv:
+        raise ValueError(f"tensor_parallel_size: {size} ranks cannot share {kv} KV heads (one must divide "
+                         "the other: KV heads split, or each one replicated on size / KV ranks)")
+    nq, nkv = h * hd, kv * hd
+    hl = h // size
+    out = {k: [] for k in ("qkv", "o", "gate_up", "down", "vocab", "heads", "kv_heads")}
+    for r, (f0, f1) in enumerate(split_evenly(f, size)):
+        kvl = kv // size if kv % size == 0 else 1
+        k0 = r * kvl if kv % size == 0 else r // (size // kv)
+        q = (r * hl * hd, (r + 1) * hl * hd)
+        kk = (nq + k0 * hd, nq + (k0 + kvl) * hd)
+        out["qkv"].append(Shard((q, kk, (kk[0] + nkv, kk[1] + nkv)), (0, d)))
+        out["o"].append(Shard(((0, d),), q))
+        out["gate_up"].append(Shard(((f0, f1), (f + f0, f + f1)), (0, d)))
+        out["down"].append(Shard(((0, d),), (f0, f1)))
+        out["vocab"].append(Shard(((r * v // size, (r + 1) * v // size),), (0, d)))
+        out["heads"].append((r * hl, hl))
+        out["kv_heads"].append((k0, kvl))
+    return out
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The token embedding; with `tp`, this rank's slice of the vocabulary rows."""
+
+    def __init__(self, vocab: int, dim: int, device=None, dtype=None, tp=None):
+        super().__init__()
+        self.tp = tp
+        rows = vocab // (tp.size if tp is not None else 1)
+        self.start = rows * (tp.rank if tp is not None else 0)
+        self.weight = nn.Parameter(torch.empty(rows, dim, device=device, dtype=dtype), requires_grad=False)
+
+    def load(self, value: torch.Tensor) -> None:
+        self.weight.data.copy_(value[self.start:self.start + self.weight.shape[0]])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        x = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * inside.unsqueeze(-1)
+        return self.tp.all_reduce(x)
 
 
 class RMSNorm(nn.Module):
@@ -30,16 +96,20 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_idx: int, device=None, dtype=None):
+    def __init__(self, cfg: LlamaConfig, layer_idx: int, device=None, dtype=None, tp=None, shards=None):
         super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.layer_idx, self.tp = layer_idx, tp
+        rank = tp.rank if tp is not None else 0
+        self.head_dim = cfg.head_dim
+        self.num_heads = shards["heads"][rank][1] if shards else cfg.num_heads
+        self.num_kv_heads = shards["kv_heads"][rank][1] if shards else cfg.num_kv_heads
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
+        nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         # q, k and v in one GEMM: the activation is read once.
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, device, dtype)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, device, dtype)
+        self.qkv_proj = Linear(cfg.hidden_size, nq + 2 * nkv, device, dtype, shards and shards["qkv"], tp)
+        self.o_proj = Linear(nq, cfg.hidden_size, device, dtype, shards and shards["o"], tp)
         self.fused = True
 
     def forward(self, x, positions, batch, inv_freq):
@@ -54,7 +124,8 @@ class LlamaAttention(nn.Module):
         kv_write = (v, k_cache, v_cache, batch.slot_mapping) if k_cache is not None else None
         q, k = apply_rope(q, k, positions, inv_freq, kv_write, self.fused)
         o = attend(q, k, v, batch, k_cache, v_cache, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        o = self.o_proj(o.reshape(t, self.q_size))
+        return o if self.tp is None else self.tp.all_reduce(o)
 
 
 def attend(q, k, v, batch, k_cache, v_cache, scale):
@@ -86,25 +157,29 @@ def _prefill(q, k, v, batch, k_cache, v_cache, scale):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig, device=None, dtype=None):
+    def __init__(self, cfg: LlamaConfig, device=None, dtype=None, tp=None, shards=None):
         super().__init__()
+        self.tp = tp
+        f = cfg.intermediate_size
         # gate and up in one GEMM (rows [0, F) are gate, [F, 2F) up): the activation is read once.
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, device, dtype)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, device, dtype)
+        # Sharded, a rank holds its gate rows then the same up rows: SwiGLU stays local.
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * f, device, dtype, shards and shards["gate_up"], tp)
+        self.down_proj = Linear(f, cfg.hidden_size, device, dtype, shards and shards["down"], tp)
 
     def forward(self, x):
         # With an FP8 down_proj the SwiGLU product leaves the kernel as e4m3: it is never stored in
         # bf16. A 2:4 gate_up at decode computes it in the GEMM's epilogue (Linear.swiglu).
-        return self.down_proj(self.gate_up_proj.swiglu(x, self.down_proj.input_quant))
+        y = self.down_proj(self.gate_up_proj.swiglu(x, self.down_proj.input_quant))
+        return y if self.tp is None else self.tp.all_reduce(y)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_idx: int, device=None, dtype=None):
+    def __init__(self, cfg: LlamaConfig, layer_idx: int, device=None, dtype=None, tp=None, shards=None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
-        self.self_attn = LlamaAttention(cfg, layer_idx, device, dtype)
+        self.self_attn = LlamaAttention(cfg, layer_idx, device, dtype, tp, shards)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
-        self.mlp = LlamaMLP(cfg, device, dtype)
+        self.mlp = LlamaMLP(cfg, device, dtype, tp, shards)
 
     def forward(self, x, residual, positions, batch, inv_freq):
         # The residual add is fused into the norm that follows it, and with FP8 GEMMs after them the
@@ -120,15 +195,19 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: LlamaConfig, device=None, dtype=None):
+    def __init__(self, cfg: LlamaConfig, device=None, dtype=None, tp=None):
+        """tp: this rank's engine.parallel.TPGroup (None: the whole model on one device)."""
         super().__init__()
-        self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, device, dtype) for i in range(cfg.num_layers))
+        self.config, self.tp = cfg, tp
+        shards = tensor_parallel_shards(cfg, tp.size) if tp is not None else None
+        self.num_local_kv_heads = shards["kv_heads"][tp.rank][1] if shards else cfg.num_kv_heads
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, device, dtype, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, device, dtype, tp, shards)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
         # The LM head stays in the model dtype whatever the weight format: it is 1 GEMM of ~100.
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, device, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(
+            cfg.hidden_size, cfg.vocab_size, device, dtype, shards and shards["vocab"], tp)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
                              .to(device), persistent=False)
 
@@ -144,9 +223,42 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden):
+        """fp32 logits [M, vocab] (with tp: every rank's slice, gathered on every rank)."""
         w = self.embed_tokens.weight if self.lm_head is None else None
         logits = hidden @ w.t() if w is not None else self.lm_head(hidden)
+        if self.tp is not None:
+            logits = self.tp.gather_vocab(logits, self.config.vocab_size)
         return logits.float()
+
+    def full_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(state_dict name, shape of the whole tensor) of every weight, in state_dict order: what a
+        loader hands to `load_weight`."""
+        out = []
+        for name, t in self.state_dict(keep_vars=True).items():
+            if name == "embed_tokens.weight":
+                out.append((name, (self.config.vocab_size, self.config.hidden_size)))
+            elif name.endswith(".backend.weight"):
+                out.append((name, self.get_submodule(name[:-len(".backend.weight")]).full_shape))
+            else:   # replicated
+                out.append((name, tuple(t.shape)))
+        return out
+
+    def load_weight(self, name: str, value: torch.Tensor, row0: int = 0) -> None:
+        """Copy in this rank's part of the full tensor `name` (a state_dict name; for a fused Linear,
+        `value` may be the section starting at row `row0`, e.g. k of q/k/v). ValueError on a shape
+        that does not fit."""
+        if name.endswith(".backend.weight"):
+            self.get_submodule(name[:-len(".backend.weight")]).load(value, row0)
+        elif name == "embed_tokens.weight":
+            want = (self.config.vocab_size, self.config.hidden_size)
+            if tuple(value.shape) != want:
+                raise ValueError(f"shape {tuple(value.shape)} where {want} was expected")
+            self.embed_tokens.load(value)
+        else:
+            param = self.get_parameter(name)
+            if param.shape != value.shape:
+                raise ValueError(f"shape {tuple(value.shape)} where {tuple(param.shape)} was expected")
+            param.data.copy_(value)
 
     def set_fused_kernels(self, enabled: bool) -> None:
         """The fused norm, RoPE and SwiGLU kernels (True) or their PyTorch references (False), for

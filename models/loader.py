@@ -51,18 +51,19 @@ def embedded_gguf_path() -> str:
 
 
 def load_model(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0,
-               tokenizer: str | None = None, draw_device: torch.device | None = None) -> LoadedModel:
+               tokenizer: str | None = None, draw_device: torch.device | None = None, tp=None) -> LoadedModel:
     """draw_device: where a shape preset's random weights are drawn (default `device`), so that a
     model loaded into host memory for layer-by-layer placement gets the same weights as one loaded
-    straight onto that device."""
+    straight onto that device. tp: this rank's TPGroup; each full tensor is read (one at a time)
+    and only the rank's part of it is kept (LlamaForCausalLM.load_weight)."""
     if name == EMBEDDED:
-        return load_gguf(embedded_gguf_path(), device, dtype, name=name)
+        return load_gguf(embedded_gguf_path(), device, dtype, name=name, tp=tp)
     if name in SHAPE_PRESETS:
-        return load_preset(name, device, dtype, seed, tokenizer, draw_device)
+        return load_preset(name, device, dtype, seed, tokenizer, draw_device, tp)
     if os.path.isdir(name):
-        return load_hf_dir(name, device, dtype)
+        return load_hf_dir(name, device, dtype, tp)
     if os.path.isfile(name) and name.endswith(".gguf"):
-        return load_gguf(name, device, dtype, name=os.path.basename(name))
+        return load_gguf(name, device, dtype, name=os.path.basename(name), tp=tp)
     if os.path.sep in name or name.startswith((".", "~")) or name.endswith(".gguf"):
         raise ModelLoadError(f"model path {name!r} does not exist")
     raise ModelLoadError(f"unknown model {name!r}: use one of {', '.join(PRESET_NAMES)}, "
@@ -77,24 +78,22 @@ def _progress(total, desc):
 # ---------------------------------------------------------------- shape presets (random weights)
 
 def load_preset(name: str, device, dtype, seed: int, tokenizer: str | None = None,
-                draw_device=None) -> LoadedModel:
+                draw_device=None, tp=None) -> LoadedModel:
     cfg = LlamaConfig(**{**SHAPE_PRESETS[name].__dict__})
     tok = preset_tokenizer(tokenizer)
     cfg.bos_token_id = tok.bos_token_id
     cfg.eos_token_ids = [tok.eos_token_id]
-    model = LlamaForCausalLM(cfg, device=device, dtype=dtype)
+    model = LlamaForCausalLM(cfg, device=device, dtype=dtype, tp=tp)
     draw_device = torch.device(draw_device or device)
     gen = torch.Generator(device=draw_device).manual_seed(seed)
-    params = list(model.state_dict(keep_vars=True).items())  # parameters and the Linears' weight buffers
-    with _progress(len(params), f"random {name}") as bar:
-        for pname, p in params:
+    shapes = model.full_shapes()    # whole tensors, in one order: every rank draws the same weights
+    with _progress(len(shapes), f"random {name}") as bar:
+        for pname, shape in shapes:
             if pname.endswith("norm.weight"):
-                p.data.fill_(1.0)
-            elif p.device == draw_device:
-                # std 0.02 as in Llama's init; drawn on the device, so an 8B preset takes seconds.
-                p.data.normal_(0.0, 0.02, generator=gen)
-            else:   # the same draws as on draw_device (same generator, same order), copied over
-                p.data.copy_(torch.empty_like(p, device=draw_device).normal_(0.0, 0.02, generator=gen))
+                value = torch.ones(shape, dtype=dtype)
+            else:   # std 0.02 as in Llama's init; drawn on the device, so an 8B preset takes seconds.
+                value = torch.empty(shape, device=draw_device, dtype=dtype).normal_(0.0, 0.02, generator=gen)
+            model.load_weight(pname, value)
             bar.update()
     return LoadedModel(model, tok, name, "preset")
 
@@ -115,7 +114,7 @@ def _unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, out // n_heads // 2, 2, inp).transpose(1, 2).reshape(out, inp)
 
 
-def load_gguf(path: str, device, dtype, name: str) -> LoadedModel:
+def load_gguf(path: str, device, dtype, name: str, tp=None) -> LoadedModel:
     import gguf
     from gguf.quants import dequantize
 
@@ -142,7 +141,7 @@ def load_gguf(path: str, device, dtype, name: str) -> LoadedModel:
     if "rope_freqs.weight" in tensors:
         raise ModelLoadError(f"{path}: GGUF rope_freqs (Llama-3 rope scaling) is not supported; "
                              "load the HF directory instead")
-    model = LlamaForCausalLM(cfg, device=device, dtype=dtype)
+    model = LlamaForCausalLM(cfg, device=device, dtype=dtype, tp=tp)
 
     def read(tname):
         t = tensors.get(tname)
@@ -156,27 +155,28 @@ def load_gguf(path: str, device, dtype, name: str) -> LoadedModel:
         return torch.from_numpy(arr.reshape(shape).copy())
 
     with _progress(len(tensors), f"loading {os.path.basename(path)}") as bar:
-        def put(param, value):
-            if param.shape != value.shape:
-                raise ModelLoadError(f"{path}: shape {tuple(value.shape)} where {tuple(param.shape)} "
-                                     "was expected")
-            param.data.copy_(value.to(dtype))
+        def put(name, value):
+            try:
+                model.load_weight(name, value.to(dtype))
+            except ValueError as e:
+                raise ModelLoadError(f"{path}: {name}: {e}") from e
             bar.update()
 
-        put(model.embed_tokens.weight, read("token_embd.weight"))
-        put(model.norm.weight, read("output_norm.weight"))
+        put("embed_tokens.weight", read("token_embd.weight"))
+        put("norm.weight", read("output_norm.weight"))
         if model.lm_head is not None:
-            put(model.lm_head.weight, read("output.weight"))
-        for i, layer in enumerate(model.layers):
-            b = f"blk.{i}."
+            put("lm_head.backend.weight", read("output.weight"))
+        for i in range(cfg.num_layers):
+            b, m = f"blk.{i}.", f"layers.{i}."
             q = _unpermute_qk(read(b + "attn_q.weight"), cfg.num_heads)
             k = _unpermute_qk(read(b + "attn_k.weight"), cfg.num_kv_heads)
-            put(layer.self_attn.qkv_proj.weight, torch.cat([q, k, read(b + "attn_v.weight")]))
-            put(layer.self_attn.o_proj.weight, read(b + "attn_output.weight"))
-            put(layer.mlp.gate_up_proj.weight, torch.cat([read(b + "ffn_gate.weight"), read(b + "ffn_up.weight")]))
-            put(layer.mlp.down_proj.weight, read(b + "ffn_down.weight"))
-            put(layer.input_layernorm.weight, read(b + "attn_norm.weight"))
-            put(layer.post_attention_layernorm.weight, read(b + "ffn_norm.weight"))
+            put(m + "self_attn.qkv_proj.backend.weight", torch.cat([q, k, read(b + "attn_v.weight")]))
+            put(m + "self_attn.o_proj.backend.weight", read(b + "attn_output.weight"))
+            put(m + "mlp.gate_up_proj.backend.weight",
+                torch.cat([read(b + "ffn_gate.weight"), read(b + "ffn_up.weight")]))
+            put(m + "mlp.down_proj.backend.weight", read(b + "ffn_down.weight"))
+            put(m + "input_layernorm.weight", read(b + "attn_norm.weight"))
+            put(m + "post_attention_layernorm.weight", read(b + "ffn_norm.weight"))
     return LoadedModel(model, gguf_tokenizer(path), name, "gguf")
 
 
@@ -235,7 +235,7 @@ def _rope_params_scaling(params):
     return params
 
 
-def load_hf_dir(path: str, device, dtype) -> LoadedModel:
+def load_hf_dir(path: str, device, dtype, tp=None) -> LoadedModel:
     from safetensors import safe_open
 
     cfg_path = os.path.join(path, "config.json")
@@ -252,28 +252,28 @@ def load_hf_dir(path: str, device, dtype) -> LoadedModel:
         raise ModelLoadError(f"{path}: no *.safetensors weight files")
     from models import compressed
     stored = compressed.checkpoint_format(hf, path, cfg.num_layers)
-    model = LlamaForCausalLM(cfg, device=device, dtype=dtype)
+    model = LlamaForCausalLM(cfg, device=device, dtype=dtype, tp=tp)
 
-    # Which HF tensor goes where: fused projections take row slices of one parameter.
+    # Which HF tensor goes where: (engine weight, first row, rows); fused projections take sections.
     nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    f_ = cfg.intermediate_size
-    targets = {"model.embed_tokens.weight": (model.embed_tokens.weight, None),
-               "model.norm.weight": (model.norm.weight, None)}
+    f_, d = cfg.intermediate_size, cfg.hidden_size
+    targets = {"model.embed_tokens.weight": ("embed_tokens.weight", 0, cfg.vocab_size),
+               "model.norm.weight": ("norm.weight", 0, None)}
     if model.lm_head is not None:
-        targets["lm_head.weight"] = (model.lm_head.weight, None)
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        qkv, gu = layer.self_attn.qkv_proj.weight, layer.mlp.gate_up_proj.weight
+        targets["lm_head.weight"] = ("lm_head.backend.weight", 0, cfg.vocab_size)
+    for i in range(cfg.num_layers):
+        p, m = f"model.layers.{i}.", f"layers.{i}."
+        qkv, gu = m + "self_attn.qkv_proj.backend.weight", m + "mlp.gate_up_proj.backend.weight"
         targets.update({
-            p + "self_attn.q_proj.weight": (qkv, (0, nq)),
-            p + "self_attn.k_proj.weight": (qkv, (nq, nq + nkv)),
-            p + "self_attn.v_proj.weight": (qkv, (nq + nkv, nq + 2 * nkv)),
-            p + "self_attn.o_proj.weight": (layer.self_attn.o_proj.weight, None),
-            p + "mlp.gate_proj.weight": (gu, (0, f_)),
-            p + "mlp.up_proj.weight": (gu, (f_, 2 * f_)),
-            p + "mlp.down_proj.weight": (layer.mlp.down_proj.weight, None),
-            p + "input_layernorm.weight": (layer.input_layernorm.weight, None),
-            p + "post_attention_layernorm.weight": (layer.post_attention_layernorm.weight, None),
+            p + "self_attn.q_proj.weight": (qkv, 0, nq),
+            p + "self_attn.k_proj.weight": (qkv, nq, nkv),
+            p + "self_attn.v_proj.weight": (qkv, nq + nkv, nkv),
+            p + "self_attn.o_proj.weight": (m + "self_attn.o_proj.backend.weight", 0, d),
+            p + "mlp.gate_proj.weight": (gu, 0, f_),
+            p + "mlp.up_proj.weight": (gu, f_, f_),
+            p + "mlp.down_proj.weight": (m + "mlp.down_proj.backend.weight", 0, d),
+            p + "input_layernorm.weight": (m + "input_layernorm.weight", 0, None),
+            p + "post_attention_layernorm.weight": (m + "post_attention_layernorm.weight", 0, None),
         })
     # A compressed-tensors checkpoint's non-dense projections: their stored tensors are gathered
     # ({projection: {local name: tensor}}) and each engine Linear's backend is built from them as stored.
@@ -300,13 +300,14 @@ def load_hf_dir(path: str, device, dtype) -> LoadedModel:
                             continue
                         if key not in targets:
                             continue  # e.g. rotary inv_freq buffers of old checkpoints
-                        param, rows = targets[key]
+                        name, row0, rows = targets[key]
                         value = f.get_tensor(key)
-                        dst = param.data if rows is None else param.data[rows[0]:rows[1]]
-                        if dst.shape != value.shape:
-                            raise ModelLoadError(f"{fpath}: {key} has shape {tuple(value.shape)}, "
-                                                 f"expected {tuple(dst.shape)}")
-                        dst.copy_(value.to(dtype))
+                        if rows is not None and value.shape[0] != rows:
+                            raise ModelLoadError(f"{fpath}: {key} has {value.shape[0]} rows, expected {rows}")
+                        try:
+                            model.load_weight(name, value.to(dtype), row0)
+                        except ValueError as e:
+                            raise ModelLoadError(f"{fpath}: {key}: {e}") from e
                         seen.add(key)
                         bar.update()
             except ModelLoadError:
@@ -340,8 +341,9 @@ def _fill_stored_backends(model, stored, stored_parts, dtype, device) -> None:
                 continue
             linear = layer.get_submodule(fused)
             names = [f"model.layers.{i}.{p}" for p in parts]
-            linear.backend = compressed.build_backend(kind, [stored_parts.pop(n) for n in names], names,
-                                                      linear.in_features, dtype, device)
-            if linear.backend.out_features != linear.out_features:
-                raise ModelLoadError(f"{', '.join(names)}: {linear.backend.out_features} rows in all, "
-                                     f"the config.json shapes say {linear.out_features}")
+            backend = compressed.build_backend(kind, [stored_parts.pop(n) for n in names], names,
+                                               linear.full_shape[1], dtype, device)
+            if backend.out_features != linear.full_shape[0]:
+                raise ModelLoadError(f"{', '.join(names)}: {backend.out_features} rows in all, "
+                                     f"the config.json shapes say {linear.full_shape[0]}")
+            linear.set_backend(backend)     # with tensor parallelism: this rank's shard of it

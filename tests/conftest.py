@@ -44,7 +44,9 @@ def gguf_read_once():
                 else twin
         return copy.deepcopy(model, memo)
 
-    def load_gguf(path, device, dtype, name):
+    def load_gguf(path, device, dtype, name, tp=None):
+        if tp is not None:      # a rank's shards: not the shared full model
+            return read(path, device, dtype, name=name, tp=tp)
         key = (os.path.realpath(path), os.path.getmtime(path), str(device), dtype, name)
         if key not in first:
             loaded = read(path, device, dtype, name=name)

@@ -36,6 +36,22 @@ class WeightFormat(nn.Module):
         """The dense weight this backend computes with (for tests and quality reports)."""
         raise NotImplementedError
 
+    # Shards cut K only at multiples of this (a block scale's or a metadata byte's width).
+    k_granule = 1
+
+    def shard(self, shard) -> "WeightFormat":
+        """The same format holding only `shard` (engine/parallel.py Shard: row ranges and a K range)
+        of this weight, with the same values and scales: tensor parallelism's slice of it."""
+        raise NotImplementedError
+
+    def _check_cols(self, shard) -> tuple[int, int]:
+        c0, c1 = shard.cols
+        g = self.k_granule
+        if c0 % g or (c1 % g and c1 != self.in_features):
+            raise ValueError(f"tensor_parallel_size: a {self.name} weight is split along K only at multiples "
+                             f"of {g}; columns [{c0}, {c1}) of {self.in_features} are not")
+        return c0, c1
+
     def weight_bytes(self) -> int:
         """Bytes a matmul reads from device memory for the weight (values, scales, metadata)."""
         raise NotImplementedError

@@ -24,5 +24,9 @@ class DenseWeight(WeightFormat):
     def dequantize(self):
         return self.weight
 
+    def shard(self, shard):
+        c0, c1 = self._check_cols(shard)
+        return DenseWeight(self.weight[shard.row_index(self.weight.device), c0:c1].contiguous())
+
     def weight_bytes(self):
         return self.weight.nbytes

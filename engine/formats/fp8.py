@@ -152,6 +152,12 @@ class Fp8Weight(WeightFormat):
     def dequantize(self) -> torch.Tensor:
         return dequantize_fp8(self.qweight, self.scale).to(self.dtype)
 
+    def shard(self, shard) -> "Fp8Weight":
+        """Each row keeps its scale (made from the whole row), whichever K range the shard takes."""
+        c0, c1 = self._check_cols(shard)
+        rows = shard.row_index(self.qweight.device)
+        return Fp8Weight(self.qweight[rows, c0:c1].contiguous(), self.scale[rows].contiguous(), self.dtype)
+
     def weight_bytes(self) -> int:
         return self.qweight.nbytes + self.scale.nbytes
 

@@ -347,6 +347,19 @@ class Nvfp4Weight(WeightFormat):
     def weight_bytes(self) -> int:
         return self.tensor.nbytes
 
+    k_granule = BLOCK
+
+    def shard(self, shard) -> "Nvfp4Weight":
+        """Codes and block scales of the shard's rows and 16-element K blocks; the tensor scale (and a
+        checkpoint's global scale) of the whole weight. The device storage (tiles) is made per shard."""
+        c0, c1 = self._check_cols(shard)
+        t = to_rows(self.tensor)
+        rows = shard.row_index(t.packed.device)
+        part = Nvfp4Tensor(t.packed[rows, c0 // 2:c1 // 2].contiguous(),
+                           t.block_scale[rows, c0 // BLOCK:c1 // BLOCK].contiguous(), t.tensor_scale,
+                           shard.shape)
+        return Nvfp4Weight(for_device(part, t.packed.device), self.dtype, self.global_scale)
+
 
 def for_device(t: Nvfp4Tensor, device: torch.device) -> Nvfp4Tensor:
     """The storage the kernels of `device` read: blocked scales on sm_100, tiles on other GPUs where

@@ -306,6 +306,17 @@ class _Sparse24Base(WeightFormat):
     def weight_bytes(self):
         return self.tensor.nbytes() + (0 if self.scale is None else self.scale.nbytes)
 
+    k_granule = 8   # one metadata byte: two groups of 4
+
+    def _shard_tensor(self, shard) -> tuple[Sparse24Tensor, torch.Tensor]:
+        """The kept values and metadata of the shard's rows and K range (the same entries, positions
+        and, for FP8, row scales), and the row index."""
+        c0, c1 = self._check_cols(shard)
+        rows = shard.row_index(self.meta.device)
+        t = self.tensor
+        return Sparse24Tensor(t.values[rows, c0 // 2:c1 // 2].contiguous(),
+                              t.meta[rows, c0 // 8:c1 // 8].contiguous(), shard.shape), rows
+
 
 class Sparse24Weight(_Sparse24Base):
     """`--sparse-ffn`: a bf16 2:4 weight."""
@@ -334,6 +345,9 @@ class Sparse24Weight(_Sparse24Base):
         if not is_24_sparse(w):  # a checkpoint that is already 2:4 is kept exactly
             w = prune_24(w, score)
         return cls(compress_24(w))
+
+    def shard(self, shard) -> "Sparse24Weight":
+        return Sparse24Weight(self._shard_tensor(shard)[0])
 
     def swiglu_forward(self, x):
         choice = select(SPARSE24_SWIGLU, self._problem("sparse24_swiglu", x), self.tuned.get("sparse24_swiglu"))
@@ -364,6 +378,10 @@ class Sparse24Fp8Weight(_Sparse24Base):
         t = compress_24(w)
         q, scale = quantize_rows_fp8(t.values)
         return cls(Sparse24Tensor(q, t.meta, t.shape), scale, w.dtype)
+
+    def shard(self, shard) -> "Sparse24Fp8Weight":
+        t, rows = self._shard_tensor(shard)
+        return Sparse24Fp8Weight(t, self.scale[rows], self.dtype)
 
     @property
     def input_quant(self) -> str | None:

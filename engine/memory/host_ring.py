@@ -48,6 +48,16 @@ class Slot:
         self.used = end
         return view
 
+    def contents(self) -> tuple[dict, bytes]:
+        """What `put` wrote (field table, bytes): another rank's `restore` rebuilds the same slot."""
+        return dict(self.fields), self.host[:self.used].numpy().tobytes()
+
+    def restore(self, fields: dict, data: bytes) -> None:
+        if len(data) > self.host.numel():
+            self.host = self.streams.host_empty(max(len(data), 2 * self.host.numel()))
+        self.host[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self.fields, self.used = dict(fields), len(data)
+
 
 class PinnedRing:
     """`num_slots` slots of pinned step inputs, `capacity_bytes` each to start with."""
