@@ -295,12 +295,14 @@ def bench_config(name, overrides, args, device, shared):
         shared["dense"] = guard, logits
         row["agreement"], row["logits_rel_err"] = 1.0, 0.0
     if args.guard_only:
+        engine.close()
         del engine
         _release_device(device)
         return row
     row["prefill_tok_s"], prefill_host = bench_prefill(engine, rng, vocab, args.prefill_seqs, args.prefill_len)
     row["prefill_host_ms"] = prefill_host * 1e3
-    kv_per_token = 2 * engine.model_config.num_layers * engine.model_config.num_kv_heads * \
+    # Per GPU: with tensor parallelism the weights, KV heads and roofline are one rank's.
+    kv_per_token = 2 * engine.model_config.num_layers * engine.model.num_local_kv_heads * \
         engine.model_config.head_dim * torch.empty(0, dtype=engine.dtype).element_size()
     wbytes = weight_bytes(engine)
     row["weight_GB"] = wbytes / 1e9
@@ -316,6 +318,7 @@ def bench_config(name, overrides, args, device, shared):
         shared.setdefault("points", []).extend(gemm_points(engine, name, args.gemm_ms))
     if device.type == "cuda":
         row["peak_mem_GB"] = torch.cuda.max_memory_allocated(device) / 1e9
+    engine.close()      # with tensor parallelism: the other ranks exit
     del engine
     _release_device(device)
     return row
@@ -545,6 +548,8 @@ def engine_overrides(args, ap) -> dict:
         out["gpu_memory_limit"] = args.gpu_memory_limit
     if args.tune == "off":
         out["tune"] = "off"
+    if args.tensor_parallel_size != 1:
+        out["tensor_parallel_size"] = args.tensor_parallel_size
     try:
         graphs = allocator.resolve_cuda_graphs(args.allocator, False if args.no_cuda_graphs else None)
     except ValueError as e:
@@ -592,6 +597,9 @@ def main(argv=None):
     ap.add_argument("--gpu-memory-limit", type=float, default=None, metavar="GIB",
                     help="every config: GiB of device memory for weights, KV cache and activations")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="every config: decode steps run eagerly")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                    help="shard every config over N GPUs (one process each); weights, roofline and GEMM "
+                         "points are then one rank's")
     ap.add_argument("--tune", choices=("on", "off"), default="on",
                     help="time the GEMM kernels at engine start (cached in ~/.cache/microengine) or "
                          "take each op's defaults")

@@ -33,8 +33,11 @@ import torch.distributed as dist
 log = logging.getLogger("microengine")
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-TIMEOUT_S = float(os.environ.get("MICROENGINE_TP_TIMEOUT", "120"))   # every collective's limit
-KEEPALIVE_S = TIMEOUT_S / 4        # rank 0 pings idle workers this often
+DEFAULT_TIMEOUT_S = 120.0     # every collective's limit; $MICROENGINE_TP_TIMEOUT overrides it
+
+
+def timeout_s() -> float:
+    return float(os.environ.get("MICROENGINE_TP_TIMEOUT", DEFAULT_TIMEOUT_S))
 
 
 # torch >= 2.12 names it all_gather_single; older releases only have all_gather_into_tensor.
@@ -107,7 +110,7 @@ class TPGroup:
 
     def keepalive(self) -> None:
         """Rank 0, idle: a no-op message, so no worker's wait for the next step reaches the timeout."""
-        if time.monotonic() - self.last_send > KEEPALIVE_S:
+        if time.monotonic() - self.last_send > timeout_s() / 4:
             self.send(("noop",))
 
     def _broadcast(self, box: list) -> None:
@@ -128,7 +131,7 @@ def init_group(rank: int, size: int, device: torch.device, init_method: str | No
     """Join (or create) the default process group and the two groups the engine uses."""
     for k, v in NO_MULTICAST.items():
         os.environ.setdefault(k, v)
-    timeout = datetime.timedelta(seconds=TIMEOUT_S)
+    timeout = datetime.timedelta(seconds=timeout_s())
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)

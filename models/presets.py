@@ -58,6 +58,11 @@ SHAPE_PRESETS: dict[str, LlamaConfig] = {
                                 num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
                                 rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING_8B,
                                 max_position_embeddings=131072),
+    # Beyond one GPU in bf16 (141 GB of weights): for tensor parallelism.
+    "llama-3.1-70b": LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                                 num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
+                                 rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING_8B,
+                                 max_position_embeddings=131072),
     # Small enough for CPU tests and `bench.py --quick`; Llama-3 layout (GQA 4:1, llama3 rope scaling).
     "llama-tiny": LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=704,
                               num_layers=4, num_heads=8, num_kv_heads=2, head_dim=32,
