@@ -312,7 +312,10 @@ GPU_CONFIGS = {"bf16": {}, "fp8": {"weights": "fp8"}, "nvfp4": {"weights": "nvfp
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_nccl_world_size_one_captures_graphs_and_gives_the_same_tokens(fmt, monkeypatch):
     """The distributed path on one GPU: NCCL, the all-reduces and the logits gather captured in the
-    decode graphs; every format gives the plain engine's tokens (the same kernels run)."""
+    decode graphs; every format gives the plain engine's tokens (the same kernels run). The split-K
+    decode GEMMs add their partial sums with atomics, in no fixed order, so two runs of the same
+    engine may round a bf16 activation differently: the continuations may part at a near-tie of
+    random weights' flat logits (tol), and the logits of a prompt agree to bf16 rounding."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from engine import LLM
@@ -320,6 +323,7 @@ def test_nccl_world_size_one_captures_graphs_and_gives_the_same_tokens(fmt, monk
     plain = LLM("llama-3.2-1b", **kw)
     try:
         ref = plain.generate(PROMPTS, _gpu_params())
+        ref_logits = plain.logits(list(range(100, 400)))
     finally:
         plain.shutdown()
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
@@ -329,11 +333,11 @@ def test_nccl_world_size_one_captures_graphs_and_gives_the_same_tokens(fmt, monk
     try:
         assert llm.engine.tp is not None and llm.engine.graphs is not None
         out = llm.generate(PROMPTS, _gpu_params())
-        steps = llm.engine.stats["steps"]
-        assert steps > 0
+        logits = llm.logits(list(range(100, 400)))
     finally:
         llm.shutdown()
-    assert_same_greedy(out, ref, tol=1e-2)
+    assert_same_greedy(out, ref, tol=5e-2)
+    assert (logits - ref_logits).norm() / ref_logits.norm() < 1e-2
 
 
 def _two_gpus():
