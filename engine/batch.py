@@ -1,9 +1,9 @@
 """One step's inputs: the scheduled sequences packed into flat token rows, with no padding.
 
-Prefill chunks come first, back to back, described by their offsets (cu_seqlens): attention views
-its q/k/v rows over those offsets as jagged nested tensors (layout=torch.jagged), so variable-length
-prompts need no padding. Decodes (one token per sequence) follow, with their block tables and
-context lengths.
+Prefill chunks come first, back to back, described by their offsets (cu_seqlens): attention runs
+over the packed rows with those offsets (flash attention's variable-length kernel), so
+variable-length prompts need no padding. Decodes (one token per sequence) follow, with their block
+tables and context lengths.
 
 `plan_batch` lays a step out on the host as plain lists (the engine packs them into a pinned slot and
 uploads them in one copy); `BatchPlan.batch` wraps the uploaded tensors as the `Batch` the model
@@ -30,9 +30,8 @@ class Batch:
     kv_cache: object | None              # engine.memory.kv_cache.KVCache, or None (no cache kept)
     num_prefills: int
     num_prefill_tokens: int
-    prefill_offsets: torch.Tensor        # [P + 1] int64 cu_seqlens of the prefill chunks (jagged offsets)
-    prefill_max_len: int                 # longest / shortest chunk, known on the host, so the jagged
-    prefill_min_len: int                 # tensors never ask the device for them (a sync)
+    prefill_offsets: torch.Tensor        # [P + 1] int32 cu_seqlens of the prefill chunks
+    prefill_max_len: int                 # the longest chunk, known on the host (never asked of the device)
     prefill_context_lens: torch.Tensor   # [P] int32: cached prefix + this chunk
     prefill_block_tables: torch.Tensor | None  # [P, max_blocks] int32
     prefill_has_prefix: bool             # any chunk attends to keys computed in an earlier step
@@ -49,7 +48,6 @@ class BatchPlan:
     num_prefills: int
     num_prefill_tokens: int
     prefill_max_len: int
-    prefill_min_len: int
     prefill_has_prefix: bool
     num_decodes: int
     num_fills: int                       # rows whose token comes from the previous step's samples
@@ -58,8 +56,7 @@ class BatchPlan:
 
     def shape(self) -> tuple:
         """Everything but the fields' data and the sequences: what another rank needs (from_shape)."""
-        return (self.num_prefills, self.num_prefill_tokens, self.prefill_max_len, self.prefill_min_len,
-                self.prefill_has_prefix, self.num_decodes, self.num_fills, self.num_sampled)
+        return (self.num_prefills, self.num_prefill_tokens, self.prefill_max_len, self.prefill_has_prefix, self.num_decodes, self.num_fills, self.num_sampled)
 
     @staticmethod
     def from_shape(shape: tuple) -> "BatchPlan":
@@ -73,7 +70,7 @@ class BatchPlan:
             input_ids=dev["input_ids"], positions=dev["positions"], slot_mapping=dev["slot_mapping"],
             kv_cache=kv_cache, num_prefills=p, num_prefill_tokens=self.num_prefill_tokens,
             prefill_offsets=dev["prefill_offsets"], prefill_max_len=self.prefill_max_len,
-            prefill_min_len=self.prefill_min_len, prefill_context_lens=ctx[:p],
+            prefill_context_lens=ctx[:p],
             prefill_block_tables=tables[:p], prefill_has_prefix=self.prefill_has_prefix,
             num_decodes=self.num_decodes, decode_context_lens=ctx[p:], decode_block_tables=tables[p:],
             logits_indices=dev["logits_indices"], sampled=self.sampled)
@@ -105,13 +102,13 @@ def plan_batch(scheduled: list[ScheduledSeq], block_size: int, pending: dict | N
     tables = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in prefills + decodes]
     lens = [s.num_tokens for s in prefills]
     fields = {"input_ids": (ids, torch.int64), "positions": (pos, torch.int64),
-              "slot_mapping": (slots, torch.int64), "prefill_offsets": (offsets[:np_ + 1], torch.int64),
+              "slot_mapping": (slots, torch.int64), "prefill_offsets": (offsets[:np_ + 1], torch.int32),
               "context_lens": (ctx, torch.int32), "block_tables": (tables, torch.int32),
               "logits_indices": (logit_rows, torch.int64)}
     if fill_rows:
         fields["fill_rows"] = (fill_rows, torch.int64)
         fields["fill_src"] = (fill_src, torch.int64)
-    return BatchPlan(fields, np_, offsets[np_], max(lens, default=0), min(lens, default=0),
+    return BatchPlan(fields, np_, offsets[np_], max(lens, default=0),
                      any(s.start > 0 for s in prefills), len(decodes), len(fill_rows), len(sampled), sampled)
 
 
@@ -123,13 +120,13 @@ def build_prefill_only(token_lists: list[list[int]], device) -> Batch:
     for toks in token_lists:
         offsets.append(offsets[-1] + len(toks))
     input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
-    off = torch.tensor(offsets, dtype=torch.int64, device=device)
+    off = torch.tensor(offsets, dtype=torch.int32, device=device)
     ctx = torch.tensor([len(t) for t in token_lists], dtype=torch.int32, device=device)
     lens = [len(t) for t in token_lists]
     return Batch(
         input_ids=input_ids, positions=torch.tensor(pos, dtype=torch.int64, device=device),
         slot_mapping=None, kv_cache=None, num_prefills=len(token_lists), num_prefill_tokens=len(ids),
-        prefill_offsets=off, prefill_max_len=max(lens), prefill_min_len=min(lens),
+        prefill_offsets=off, prefill_max_len=max(lens),
         prefill_context_lens=ctx, prefill_block_tables=None, prefill_has_prefix=False,
         num_decodes=0, decode_context_lens=None, decode_block_tables=None,
         logits_indices=torch.arange(len(ids), device=device), sampled=[])

@@ -145,13 +145,10 @@ def attend(q, k, v, batch, k_cache, v_cache, scale):
 
 
 def _prefill(q, k, v, batch, k_cache, v_cache, scale):
-    if q.is_cuda and not batch.prefill_has_prefix:
-        # Variable-length prompts as jagged nested tensors: flash SDPA, no padding anywhere.
-        # The lengths' bounds come from the host: asked of the device, they would cost a sync.
-        def nt(x):
-            return torch.nested.nested_tensor_from_jagged(x, batch.prefill_offsets, min_seqlen=batch.prefill_min_len,
-                                                          max_seqlen=batch.prefill_max_len)
-        return attn_ops.prefill_attention_nested(nt(q), nt(k), nt(v), scale).values()
+    if not batch.prefill_has_prefix and attn_ops.flash_runs(q):
+        # Packed variable-length prompts, no padding: one flash launch; the longest prompt's length
+        # comes from the host (asked of the device, it would cost a sync).
+        return attn_ops.prefill_attention_flash(q, k, v, batch.prefill_offsets, batch.prefill_max_len, scale)
     return attn_ops.prefill_attention(q, k, v, batch.prefill_offsets, batch.prefill_context_lens,
                                       batch.prefill_block_tables, k_cache, v_cache, scale)
 

@@ -214,10 +214,16 @@ class _Fatal(BaseException):
 
 class _DyingEngine:
     """Stands in for Engine (no model): takes requests, and its first step kills the engine thread."""
-    tokenizer, model_name, max_model_len = None, "dying", 64
+    tokenizer, model_name, max_model_len, tp = None, "dying", 64, None
 
     def __init__(self, config):
         self.requests = {}
+
+    def idle(self):
+        pass
+
+    def close(self):
+        pass
 
     def validate(self, ids, params):
         return 4

@@ -396,6 +396,25 @@ def test_gpu_prefill_attention_llama(poisoned):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("nh,nkv,hd", GQA + [(32, 8, 128)])
+def test_gpu_prefill_attention_flash(poisoned, nh, nkv, hd):
+    """The no-prefix prefill the model runs in bf16: flash's variable-length kernel on packed rows
+    (k and v strided views of one qkv-like buffer, as the model hands them over), ragged lengths."""
+    q_lens = [1, 77, 128, 1000]
+    t = sum(q_lens)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    qkv = torch.randn(t, (nh + 2 * nkv) * hd, device=DEVICE, dtype=torch.bfloat16)
+    q = qkv[:, :nh * hd].view(t, nh, hd)
+    k = qkv[:, nh * hd:(nh + nkv) * hd].view(t, nkv, hd)
+    v = qkv[:, (nh + nkv) * hd:].view(t, nkv, hd)
+    assert attention.flash_runs(q)
+    out = attention.prefill_attention_flash(q, k, v, cu, max(q_lens), hd ** -0.5)
+    ctx = torch.tensor(q_lens, dtype=torch.int32, device=DEVICE)
+    ref = attention.prefill_attention_ref(q, k, v, cu, ctx, None, None, None, hd ** -0.5)
+    assert_close(out, ref, torch.bfloat16, "prefill (flash)")
+
+
+@pytest.mark.gpu
 def test_gpu_fp32_attention_exact():
     """fp32 inputs run the attention dots in IEEE fp32 (no tf32): error at fp32 rounding level."""
     check_decode([1, 333, 2000], 32, 8, 128, torch.float32, 4)

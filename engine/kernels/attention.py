@@ -12,6 +12,8 @@ write has no kernel of its own: RoPE's launch stores K and V (engine/kernels/rop
   that share a KV head are processed together as the rows of one tile, so each K/V row is read
   from HBM once per KV head (GQA); long contexts are split across programs to fill the GPU and a
   second kernel merges the splits' partial softmaxes. fp32 softmax, online (exp2 domain).
+- `prefill_attention_flash`: prompts with no cached prefix, in bf16/fp16 on sm_80+: FlashAttention-2's
+  variable-length kernel over the packed rows (cu_seqlens), GQA native.
 - `prefill_attention`: packed variable-length sequences, one program per (block of queries of one
   sequence, query head), causal aligned bottom-right: the cached prefix is read from the paged
   cache through the block table, this step's keys straight from k and v.
@@ -23,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.platform import interpreting, jit, sm_count, triton_runs
+from engine.kernels.platform import capability, interpreting, jit, sm_count, triton_runs
 
 try:
     import triton
@@ -90,23 +92,21 @@ def decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
     return out
 
 
-def prefill_attention_nested(q_nested, k_nested, v_nested, scale):
-    """The GPU path for prefills with no cached prefix: SDPA (flash) over jagged nested tensors.
-    q_nested: [P, j, nh, hd] (layout=torch.jagged); k/v: [P, j, n_kv, hd]. Returns [P, j, nh, hd]."""
-    group = q_nested.shape[2] // k_nested.shape[2]
-    if group > 1:  # GQA: flash on nested tensors wants equal head counts
-        k_nested = _repeat_heads(k_nested, group)
-        v_nested = _repeat_heads(v_nested, group)
-    o = F.scaled_dot_product_attention(q_nested.transpose(1, 2), k_nested.transpose(1, 2),
-                                       v_nested.transpose(1, 2), is_causal=True, scale=scale)
-    return o.transpose(1, 2)
+def flash_runs(q: torch.Tensor) -> bool:
+    """Whether FlashAttention-2 (through aten) takes these queries: CUDA, bf16/fp16, head_dim <= 256,
+    sm_80 or later."""
+    cap = capability(q.device)
+    return cap is not None and cap >= (8, 0) and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256
 
 
-def _repeat_heads(x, group):
-    vals = x.values().repeat_interleave(group, dim=1)
-    # Keep the cached length bounds: recomputing them from the offsets would sync with the device.
-    return torch.nested.nested_tensor_from_jagged(vals, x.offsets(), min_seqlen=x._min_seqlen,
-                                                  max_seqlen=x._max_seqlen)
+def prefill_attention_flash(q, k, v, cu_seqlens, max_len, scale):
+    """Prefills with no cached prefix: FlashAttention-2's variable-length kernel over the packed rows
+    (aten::_flash_attention_forward, what SDPA runs for jagged tensors, called directly: one launch
+    and no per-call Python work, where torch.nested's dispatch costs milliseconds of host time per
+    layer). q [T, nh, hd], k/v [T, n_kv, hd] (GQA: n_kv divides nh), unit stride along hd;
+    cu_seqlens int32 [P + 1]; max_len the longest prompt, known on the host. Causal. -> [T, nh, hd]."""
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0,
+                                                   True, False, scale=scale)[0]
 
 
 # --------------------------------------------------------------------------------------------------
