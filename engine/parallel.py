@@ -40,7 +40,7 @@ def timeout_s() -> float:
     return float(os.environ.get("MICROENGINE_TP_TIMEOUT", DEFAULT_TIMEOUT_S))
 
 
-# torch >= 2.12 names it all_gather_single; older releases only have all_gather_into_tensor.
+# Newer torch names it all_gather_single; older releases have only all_gather_into_tensor.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
@@ -129,8 +129,7 @@ def _free_port() -> int:
 
 def init_group(rank: int, size: int, device: torch.device, init_method: str | None = None) -> TPGroup:
     """Join (or create) the default process group and the two groups the engine uses."""
-    for k, v in NO_MULTICAST.items():
-        os.environ.setdefault(k, v)
+    os.environ.update(NO_MULTICAST)     # read by NCCL when the communicator starts
     timeout = datetime.timedelta(seconds=timeout_s())
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
@@ -226,8 +225,7 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def _worker_main(config, rank: int, size: int, init_method: str, parent_pid: int) -> None:
-    for k, v in NO_MULTICAST.items():
-        os.environ[k] = v
+    os.environ.update(NO_MULTICAST)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     logging.basicConfig(level=logging.WARNING)
     from engine.engine import Engine

@@ -15,7 +15,9 @@ Tensor parallelism (`tp`, engine/parallel.py; Megatron's split): each rank holds
   so no fusion straddles it;
 - the embedding and the LM head vocabulary-parallel: a lookup outside the rank's rows gives zeros
   and one all-reduce sums them; each rank's logits slice is all-gathered for rank 0 to sample.
-Norm weights and RoPE are replicated. `tensor_parallel_shards` is the one place that says who holds
+Norm weights and RoPE are replicated. Numerics: each rank holds exactly its slice of the one-GPU
+weights (scales included); only an FP8 GEMM's per-token activation scale differs, as it spans the
+rank's K of a row-parallel projection. `tensor_parallel_shards` is the one place that says who holds
 what; weights are loaded through `load_weight`, which takes the rank's part of each full tensor.
 """
 from __future__ import annotations
