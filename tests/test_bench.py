@@ -56,11 +56,13 @@ def test_bench_engine_wide_options(monkeypatch, capsys):
     ap.add_argument("--gpu-memory-limit", type=float)
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--tune", default="on")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
     allocator.add_arguments(ap)
     args = ap.parse_args(["--allocator", "cudaMallocAsync", "--offload", "--gpu-memory-limit", "12"])
     assert bench.engine_overrides(args, ap) == {"offload": True, "gpu_memory_limit": 12.0, "cuda_graphs": False}
     assert bench.engine_overrides(ap.parse_args([]), ap) == {}
     assert bench.engine_overrides(ap.parse_args(["--tune", "off"]), ap) == {"tune": "off"}
+    assert bench.engine_overrides(ap.parse_args(["--tensor-parallel-size", "2"]), ap) == {"tensor_parallel_size": 2}
     with pytest.raises(SystemExit) as e:      # checked before anything is loaded or measured
         bench.main(["--memory-release", "shared", "--out", "unused"])
     assert e.value.code == 2 and "needs the cudaMallocAsync backend" in capsys.readouterr().err
