@@ -36,8 +36,7 @@ from engine.kernels.select import m_bucket
 from engine.kernels.tuner import Tuner
 from engine.linear import convert_model, input_channel_norms, tune_model
 from engine.memory.host_ring import PinnedRing
-from engine import parallel
-from engine.parallel import ParallelError
+from engine.parallel import ParallelError, check_size, from_environment, init_group, rank_device, start_workers
 from engine.memory.kv_cache import KVCache
 from engine.quality import calibration_windows
 from engine.sampling import Sampler, SamplingParams, TokenLogprob
@@ -176,7 +175,7 @@ class Engine:
                              "with offload / gpu_memory_limit (use sparse_ffn='magnitude')")
         self.tp, self.workers, self._driving = None, None, False
         # Under torchrun (even one process: the distributed path at world size 1) ranks join its group.
-        if config.tensor_parallel_size > 1 or parallel.from_environment() is not None:
+        if config.tensor_parallel_size > 1 or from_environment() is not None:
             if layerwise:
                 raise ValueError("tensor_parallel_size: shards the model over GPUs; it does not combine with "
                                  "offload / gpu_memory_limit")
@@ -247,22 +246,22 @@ class Engine:
     def _join_group(self, size: int, rank: int, init_method: str | None) -> None:
         """Become rank `rank` of the tensor-parallel group: spawn the other ranks (rank 0, unless
         torchrun started every rank), then join the process group on this rank's device."""
-        parallel.check_size(size, self.device)
+        check_size(size, self.device)
         local = rank
-        env = parallel.from_environment()
+        env = from_environment()
         if init_method is None and env is not None:     # torchrun: every rank runs the caller's code
             rank, world, local = env
             if world != size:
                 raise ValueError(f"tensor_parallel_size: {size}, but torchrun started {world} processes")
         elif init_method is None:
-            self.workers, init_method = parallel.start_workers(self.config, size)
-        self.device = parallel.rank_device(self.device, local)
+            self.workers, init_method = start_workers(self.config, size)
+        self.device = rank_device(self.device, local)
         try:
             if self.workers is not None:    # a worker that dies before it joins is an error now
-                self.tp = self.workers.while_alive(lambda: parallel.init_group(rank, size, self.device,
+                self.tp = self.workers.while_alive(lambda: init_group(rank, size, self.device,
                                                                                init_method))
             else:
-                self.tp = parallel.init_group(rank, size, self.device, init_method)
+                self.tp = init_group(rank, size, self.device, init_method)
         except BaseException:
             if self.workers is not None:
                 self.workers.join(0)
