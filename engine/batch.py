@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.scheduler import ScheduledSeq
@@ -88,7 +89,11 @@ def plan_batch(scheduled: list[ScheduledSeq], block_size: int, pending: dict | N
         ids += seq.tokens(start, start + n)
         pos += range(start, start + n)
         table = seq.block_table
-        slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+        if n == 1:      # a decode row: scalar arithmetic beats any array set-up
+            slots.append(table[start // bs] * bs + start % bs)
+        else:           # a prefill chunk: no Python work per token
+            p = np.arange(start, start + n)
+            slots += (np.asarray(table)[p // bs] * bs + p % bs).tolist()
         offsets.append(offsets[-1] + n)
         ctx.append(start + n)
         if pending and seq in pending and start + n == len(seq):
