@@ -29,9 +29,10 @@ def test_bench_quick_runs_every_configuration(tmp_path, monkeypatch, capsys):
         assert row["prefill_tok_s"] > 0 and row["decode_b1_tok_s"] > 0
     assert rows["dense"]["agreement"] == 1.0
     quality = results["quality"]
-    assert set(quality) == {"dense", "fp8"}
+    assert set(quality) == {"dense", "fp8", "dense, fp8 head", "fp8, fp8 head"}    # --quick: the fp8 head
     assert all(v["perplexity"] > 1 and 0 < v["top1_agreement"] <= 1 for v in quality.values()), quality
     assert quality["dense"]["top1_agreement"] == 1.0
+    assert all(0 < quality[k]["top1_vs_bf16_head"] <= 1 for k in ("dense, fp8 head", "fp8, fp8 head"))
     assert (out / "results.md").read_text().count("|") > 20
     assert (out / "tokens_per_sec.png").stat().st_size > 1000
     assert (out / "roofline.png").stat().st_size > 1000
@@ -56,11 +57,13 @@ def test_bench_engine_wide_options(monkeypatch, capsys):
     ap.add_argument("--gpu-memory-limit", type=float)
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--tune", default="on")
+    ap.add_argument("--lm-head", default=None)
     allocator.add_arguments(ap)
     args = ap.parse_args(["--allocator", "cudaMallocAsync", "--offload", "--gpu-memory-limit", "12"])
     assert bench.engine_overrides(args, ap) == {"offload": True, "gpu_memory_limit": 12.0, "cuda_graphs": False}
     assert bench.engine_overrides(ap.parse_args([]), ap) == {}
     assert bench.engine_overrides(ap.parse_args(["--tune", "off"]), ap) == {"tune": "off"}
+    assert bench.engine_overrides(ap.parse_args(["--lm-head", "nvfp4"]), ap) == {"lm_head": "nvfp4"}
     with pytest.raises(SystemExit) as e:      # checked before anything is loaded or measured
         bench.main(["--memory-release", "shared", "--out", "unused"])
     assert e.value.code == 2 and "needs the cudaMallocAsync backend" in capsys.readouterr().err
