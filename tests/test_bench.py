@@ -75,3 +75,19 @@ def test_throughput_requests_are_the_same_draws_for_engine_and_hf():
     a, b = bench.throughput_requests(args, 49152), bench.throughput_requests(args, 49152)
     assert a == b and len(a) == 256
     assert all(100 <= len(p) <= 1024 and 100 <= n <= 1024 for p, n in a)
+
+
+def test_compiled_peer_runs_on_the_cpu(capsys):
+    """benchmarks/compiled_peer.py (the torch.compile reference peer) end to end on tiny shapes,
+    eager: the GPU run compiles the same model."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "compiled_peer.py"
+    spec = importlib.util.spec_from_file_location("compiled_peer", path)
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    results = peer.main(["--preset", "llama-tiny", "--steps", "3", "--device", "cpu", "--no-compile",
+                         "--batches", "1,4", "--warmup", "1"])
+    assert set(results) == {1, 4} and all(tok_s > 0 and ms > 0 for tok_s, ms in results.values())
+    out = capsys.readouterr().out
+    assert "llama-tiny" in out and "tok/s" in out and "ms/step" in out
