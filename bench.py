@@ -251,11 +251,14 @@ def time_fn(fn, device, reps=20) -> float:
 
 
 def gemm_points(engine, name, ms) -> list[dict]:
-    """Each GEMM of the first decoder layer at several M: arithmetic intensity and FLOP/s."""
+    """Each GEMM of the first decoder layer, and the LM head, at several M: arithmetic intensity and
+    FLOP/s."""
     points = []
     layer = engine.model.layers[0]
     gemms = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj,
              "gate_up": layer.mlp.gate_up_proj, "down": layer.mlp.down_proj}
+    if engine.model.lm_head is not None:    # a tied bf16 head is the embedding table, no Linear
+        gemms["lm_head"] = engine.model.lm_head
     act_bytes = torch.empty(0, dtype=engine.dtype).element_size()
     for gname, lin in gemms.items():
         for m in ms:
