@@ -150,8 +150,9 @@ class LlamaForCausalLM(nn.Module):
         return logits.float()
 
     def set_lm_head(self, fmt: str) -> None:
-        """Put the LM head in weight format `fmt` (bf16: the model dtype). With tied embeddings a
-        quantised head is its own copy of the table; the embedding lookup keeps the table."""
+        """Put the LM head in weight format `fmt` (bf16: the model dtype), once, on a model fresh from
+        loading. With tied embeddings a quantised head is its own copy of the table; the embedding
+        lookup keeps the table."""
         if self.lm_head is None:
             if fmt == "bf16":
                 return

@@ -133,6 +133,28 @@ def test_state_dict_and_to_keep_the_quantised_head(fmt):
     assert {k: v.dtype for k, v in moved.lm_head.state_dict().items()} == dtypes
 
 
+@pytest.mark.parametrize("n,k", [(128256, 4096), (49152, 576)])      # llama-3.1-8b's head, the embedded one's
+def test_head_shapes_select_kernels_on_hopper(n, k):
+    """The selection (capability faked) gives the vocabulary-wide heads a kernel at every M bucket
+    a decode or scoring step runs, never the reference."""
+    from engine.formats import fp8, nvfp4
+    from engine.kernels import select
+    from engine.kernels.platform import fake_capability
+    cuda, tiled = torch.device("cuda"), nvfp4.tileable(n, k)
+    select.clear_cache()
+    try:
+        with fake_capability((9, 0)), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for m in (1, 3, 16, 17, 128, 129, 512):
+                assert select.select(fp8.FP8_GEMM, select.Problem("fp8_gemm", m, n, k, cuda)).kernel.name == \
+                    ("triton_stream" if m <= 16 else "cute_wgmma_sm90")
+                problem = select.Problem("nvfp4_gemm", m, n, k, cuda, (torch.bfloat16, tiled))
+                assert select.select(nvfp4.NVFP4_GEMM, problem).kernel.name == \
+                    ("gluon_decode" if m <= 4 else "triton_decode" if m <= 128 else "dequantize_cublas")
+    finally:
+        select.clear_cache()
+
+
 def test_tuning_covers_the_head(monkeypatch):
     model = random_model(True)
     model.set_lm_head("fp8")
