@@ -30,7 +30,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from engine.config import EngineConfig, resolve_dtype
+from engine.config import LM_HEAD_FORMATS, EngineConfig, resolve_dtype
 from engine.engine import Engine
 from engine.memory import allocator
 from engine.sampling import SamplingParams
@@ -50,6 +50,7 @@ THROUGHPUT_SEED = 1                           # the throughput requests' own RNG
 QUALITY = {"dense": {}, "fp8": {"weights": "fp8"}, "nvfp4": {"weights": "nvfp4"},
            "2:4 magnitude": {"sparse_ffn": "magnitude"}, "2:4 wanda": {"sparse_ffn": "wanda"},
            "2:4+fp8": {"sparse_ffn": "magnitude", "weights": "fp8"}}
+QUALITY_HEADS = "fp8,nvfp4"     # LM-head formats measured beside each QUALITY row's bf16 head
 # Relative logit error a lossless switch may cause by rounding alone, per decoder layer: two roundings
 # of the same math drift apart layer by layer (measured: the dense llama-3.2-1b preset in bf16 against
 # fp32 on the CPU, 0.026 over 16 layers, 1.6e-3 a layer).
@@ -198,8 +199,8 @@ def bench_throughput(engine, requests):
 def weight_bytes(engine) -> int:
     model = engine.model
     total = sum(lin.backend.weight_bytes() for _, lin in model.linear_layers())
-    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    return total + head.numel() * head.element_size()
+    head = model.embed_tokens.weight.nbytes if model.lm_head is None else model.lm_head.backend.weight_bytes()
+    return total + head
 
 
 def time_fn(fn, device, reps=20) -> float:
@@ -250,11 +251,14 @@ def time_fn(fn, device, reps=20) -> float:
 
 
 def gemm_points(engine, name, ms) -> list[dict]:
-    """Each GEMM of the first decoder layer at several M: arithmetic intensity and FLOP/s."""
+    """Each GEMM of the first decoder layer, and the LM head, at several M: arithmetic intensity and
+    FLOP/s."""
     points = []
     layer = engine.model.layers[0]
     gemms = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj,
              "gate_up": layer.mlp.gate_up_proj, "down": layer.mlp.down_proj}
+    if engine.model.lm_head is not None:    # a tied bf16 head is the embedding table, no Linear
+        gemms["lm_head"] = engine.model.lm_head
     act_bytes = torch.empty(0, dtype=engine.dtype).element_size()
     for gname, lin in gemms.items():
         for m in ms:
@@ -417,24 +421,33 @@ def hf_throughput(model, requests, args, device) -> dict:
 
 
 def quality(args, device):
-    """Perplexity of the embedded SmolLM2 under each weight format, and how often its next-token
-    prediction agrees with the dense model's (in the model dtype) at every position of the text."""
+    """Perplexity of the embedded SmolLM2 under each weight format, with a bf16 LM head and with the
+    head in each of --quality-heads; how often its next-token prediction agrees with the dense model's
+    (bf16 head, in the model dtype) at every position of the text; and, for a quantised head, with
+    the bf16 head over the same weights (the figure engine/config.py's default_lm_head reads)."""
     from engine.llm import LLM
-    from engine.quality import evaluate
+    from engine.quality import evaluate, top1_agreement
     rows, reference = {}, None
     for name, overrides in QUALITY.items():
-        try:
-            llm = LLM("llama", device=str(device), dtype=args.dtype, **overrides)
-        except (ValueError, NotImplementedError, ImportError) as e:
-            rows[name] = f"n/a ({e})"
-            continue
-        try:
-            ppl, predictions, agreement = evaluate(llm, args.ppl_window, args.ppl_windows, reference)
-        finally:
-            llm.shutdown(timeout=1)
-        if reference is None:
-            reference, agreement = predictions, 1.0
-        rows[name] = {"perplexity": ppl, "top1_agreement": agreement}
+        bf16_head = None
+        for head in ("bf16", *args.quality_heads):
+            label = name if head == "bf16" else f"{name}, {head} head"
+            try:
+                llm = LLM("llama", device=str(device), dtype=args.dtype, **{**overrides, "lm_head": head})
+            except (ValueError, NotImplementedError, ImportError) as e:
+                rows[label] = f"n/a ({e})"
+                continue
+            try:
+                ppl, predictions, agreement = evaluate(llm, args.ppl_window, args.ppl_windows, reference)
+            finally:
+                llm.shutdown(timeout=1)
+            if reference is None:
+                reference, agreement = predictions, 1.0
+            rows[label] = {"perplexity": ppl, "top1_agreement": agreement}
+            if head == "bf16":
+                bf16_head = predictions
+            elif bf16_head is not None:
+                rows[label]["top1_vs_bf16_head"] = top1_agreement(predictions, bf16_head)
     return rows
 
 
@@ -465,15 +478,22 @@ def markdown_table(results) -> str:
             cells.append("" if v is None else (f"{v:.3g}" if isinstance(v, float) and abs(v) < 10 else
                                                f"{v:.0f}" if isinstance(v, float) else str(v)))
         body += f"| {r['config']} | " + " | ".join(cells) + " |\n"
-    q = "\n| quality (embedded SmolLM2) | perplexity | top-1 agreement with dense |\n|---|---|---|\n" + "".join(
-        f"| {k} | {v['perplexity']:.3f} | {v['top1_agreement']:.3f} |\n" if isinstance(v, dict)
-        else f"| {k} | {v} | |\n" for k, v in results.get("quality", {}).items())
+    q = ("\n| quality (embedded SmolLM2) | perplexity | top-1 agreement with dense | with the bf16 head |\n"
+         "|---|---|---|---|\n") + "".join(_quality_row(k, v) for k, v in results.get("quality", {}).items())
     notes = "".join(f"\n{r['config']} throughput: {r.get('throughput_note') or r['throughput_method']}\n"
                     for r in rows if r.get("throughput_method"))
     ceil = results["ceilings"]
     hdr = (f"device: {results['device']}; copy bandwidth {ceil['copy_GBps']:.0f} GB/s; "
            f"bf16 GEMM {ceil['bf16_TFLOPs']:.0f} TFLOP/s; allocator {results.get('allocator', 'native')}\n\n")
     return hdr + head + body + notes + q
+
+
+def _quality_row(name, v) -> str:
+    if not isinstance(v, dict):
+        return f"| {name} | {v} | | |\n"
+    head = v.get("top1_vs_bf16_head")
+    return (f"| {name} | {v['perplexity']:.3f} | {v['top1_agreement']:.3f} | "
+            f"{'' if head is None else f'{head:.3f}'} |\n")
 
 
 def plot_bars(results, path):
@@ -550,6 +570,8 @@ def engine_overrides(args, ap) -> dict:
         out["tune"] = "off"
     if args.tensor_parallel_size != 1:
         out["tensor_parallel_size"] = args.tensor_parallel_size
+    if args.lm_head is not None:
+        out["lm_head"] = args.lm_head
     try:
         graphs = allocator.resolve_cuda_graphs(args.allocator, False if args.no_cuda_graphs else None)
     except ValueError as e:
@@ -603,6 +625,12 @@ def main(argv=None):
     ap.add_argument("--tune", choices=("on", "off"), default="on",
                     help="time the GEMM kernels at engine start (cached in ~/.cache/microengine) or "
                          "take each op's defaults")
+    ap.add_argument("--lm-head", choices=LM_HEAD_FORMATS, default=None,
+                    help="every config: the LM head's weight format (default: engine/config.py's "
+                         "default_lm_head, from the weight format and the measured quality)")
+    ap.add_argument("--quality-heads", default=QUALITY_HEADS,
+                    help="comma list of LM-head formats the quality column measures beside the bf16 "
+                         "head ('' for none; default %(default)s)")
     allocator.add_arguments(ap)
     ap.add_argument("--replot", metavar="RESULTS_JSON",
                     help="only redraw the table and pictures of an earlier run's results.json")
@@ -619,8 +647,11 @@ def main(argv=None):
         args.requests, args.min_len, args.max_len = 8, 8, 32
         args.prefill_seqs, args.prefill_len, args.decode_prompt, args.decode_steps = 2, 64, 32, 8
         args.decode_batches, args.guard_tokens, args.ppl_window, args.ppl_windows = "1,4", 8, 128, 2
-        args.step_tokens, args.gemm_ms = 512, "1,64"
+        args.step_tokens, args.gemm_ms, args.quality_heads = 512, "1,64", "fp8"
     args.gemm_ms = [int(m) for m in args.gemm_ms.split(",")]
+    args.quality_heads = [h.strip() for h in args.quality_heads.split(",") if h.strip()]
+    if any(h not in LM_HEAD_FORMATS for h in args.quality_heads):
+        ap.error(f"--quality-heads: choose from {', '.join(LM_HEAD_FORMATS)}")
     args.decode_batches = [int(b) for b in args.decode_batches.split(",")]
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]

@@ -919,6 +919,8 @@ ENGINE_HELP = {
     "weights": "linear-layer weight format (default: bf16, or what a compressed-tensors checkpoint "
                "stores, which loads as stored: another format is an error)",
     "sparse_ffn": "prune the FFN weights to 2:4 with this method (alone: magnitude)",
+    "lm_head": "the LM head's weight format (default: the weight format's own where its measured top-1 "
+               "agreement with a bf16 head is >= 0.97, else bf16; engine/config.py default_lm_head)",
     "fused_kernels": "fused Triton norm/RoPE/SwiGLU kernels; off: PyTorch references (attention "
                      "always uses its Triton kernels on cuda) (default: on)",
     "tune": "on: time the GEMM kernels for this model's shapes at start (cached in "
@@ -946,7 +948,7 @@ ENGINE_HELP = {
 
 def engine_arguments(parser: argparse.ArgumentParser):
     """One option per EngineConfig field, so the CLI can never fall behind the engine."""
-    from engine.config import SPARSE_METHODS, WEIGHT_FORMATS, EngineConfig
+    from engine.config import LM_HEAD_FORMATS, SPARSE_METHODS, WEIGHT_FORMATS, EngineConfig
     group = parser.add_argument_group("engine (EngineConfig)")
     for f in dataclasses.fields(EngineConfig):
         if f.name == "extra":
@@ -960,6 +962,8 @@ def engine_arguments(parser: argparse.ArgumentParser):
         annotation = str(f.type)
         if f.name == "weights":
             group.add_argument(flag, choices=WEIGHT_FORMATS, **kw)
+        elif f.name == "lm_head":
+            group.add_argument(flag, choices=LM_HEAD_FORMATS, **kw)
         elif f.name == "sparse_ffn":
             group.add_argument(flag, nargs="?", const=SPARSE_METHODS[0], choices=SPARSE_METHODS, **kw)
         elif "bool" in annotation:

@@ -46,6 +46,7 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--weights", default="bf16")
     ap.add_argument("--sparse-ffn", default=None)
+    ap.add_argument("--lm-head", default=None, help="the LM head's format (default: the engine's rule)")
     ap.add_argument("--prefill", default="4x2048", help="SEQSxLEN prompts, one prefill step")
     ap.add_argument("--decode", type=int, default=0, help="profile decode steps at this batch instead")
     ap.add_argument("--graph", default=None, help="profile the captured decode graph at these batch sizes")
@@ -58,7 +59,7 @@ def main(argv=None) -> None:
     if args.graph:
         return profile_graphs(args, [int(b) for b in args.graph.split(",")])
     seqs, length = (int(v) for v in args.prefill.split("x"))
-    engine = Engine(EngineConfig(model=args.model, weights=args.weights, sparse_ffn=args.sparse_ffn,
+    engine = Engine(EngineConfig(model=args.model, weights=args.weights, sparse_ffn=args.sparse_ffn, lm_head=args.lm_head,
                                  kv_cache_tokens=65536, max_num_batched_tokens=max(8192, seqs * length)))
     g = torch.Generator().manual_seed(0)
 
@@ -110,7 +111,7 @@ def profile_host(engine: Engine, requests, what: str, args) -> None:
 
 def profile_graphs(args, batches: list[int]) -> None:
     from engine.cuda_graphs import DecodeGraphs
-    engine = Engine(EngineConfig(model=args.model, weights=args.weights, sparse_ffn=args.sparse_ffn,
+    engine = Engine(EngineConfig(model=args.model, weights=args.weights, sparse_ffn=args.sparse_ffn, lm_head=args.lm_head,
                                  kv_cache_tokens=max(16384, 2 * max(batches) * args.context),
                                  cuda_graphs=False, max_num_seqs=max(batches)))
     graphs = DecodeGraphs(engine.model, engine.kv_cache, max(batches),

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 WEIGHT_FORMATS = ("bf16", "fp8", "nvfp4")
+LM_HEAD_FORMATS = ("bf16", "fp8", "nvfp4")
 SPARSE_METHODS = ("magnitude", "wanda")
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
            "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
@@ -46,6 +47,8 @@ class EngineConfig:
     # compressed-tensors checkpoint stores (which loads as stored: asking for another format is an error).
     weights: str | None = None
     sparse_ffn: str | None = None         # None, "magnitude" or "wanda": prune FFN weights to 2:4
+    # The LM head's weight format: bf16 (the model dtype), fp8, nvfp4. None: default_lm_head's rule.
+    lm_head: str | None = None
     fused_kernels: bool | None = None     # fused Triton norm/RoPE/SwiGLU kernels; None: on (where Triton runs)
     # "on": tune the GEMM kernels at start for the shapes and M buckets this engine runs, cached on
     # disk (engine/kernels/tuner.py); "off": every op takes its kernel list's defaults.
@@ -79,6 +82,8 @@ class EngineConfig:
             self.tokenizer = os.environ.get("MICROENGINE_TOKENIZER")
         if self.weights is not None and self.weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights: {self.weights!r} is not one of {', '.join(WEIGHT_FORMATS)}")
+        if self.lm_head is not None and self.lm_head not in LM_HEAD_FORMATS:
+            raise ValueError(f"lm_head: {self.lm_head!r} is not one of {', '.join(LM_HEAD_FORMATS)}")
         if self.tune not in ("on", "off"):
             raise ValueError(f"tune: {self.tune!r} is not 'on' or 'off'")
         if self.sparse_ffn is not None and self.sparse_ffn not in SPARSE_METHODS:
@@ -100,17 +105,37 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens: must be at least one block")
 
 
+# The LM head's default (default_lm_head): a weight format's own head where, on the embedded model and
+# the evaluation text (engine/quality.py), its top-1 agreement with a bf16 head over the same
+# decoder weights is at least HEAD_AGREEMENT_BOUND. Measured on the CPU: BENCHMARKS.md, "Quality".
+HEAD_AGREEMENT_BOUND = 0.97
+OWN_HEAD_AGREEMENT = {"fp8": 0.889, "nvfp4": 0.812}     # below the bound: both default to bf16
+
+
+def default_lm_head(weights: str, stored: bool = False) -> str:
+    """The LM head's format when none is asked for: the weight format's own (fp8 for fp8 weights,
+    nvfp4 for nvfp4) if its top-1 agreement with a bf16 head, measured on the embedded model with
+    the same weights, is >= HEAD_AGREEMENT_BOUND (OWN_HEAD_AGREEMENT); else bf16. bf16 weights keep
+    a bf16 head, and so does a compressed-tensors checkpoint (`stored`): its head loads as stored."""
+    if stored or weights not in OWN_HEAD_AGREEMENT:
+        return "bf16"
+    return weights if OWN_HEAD_AGREEMENT[weights] >= HEAD_AGREEMENT_BOUND else "bf16"
+
+
 def resolve_formats(config: EngineConfig, stored) -> EngineConfig:
-    """`config` with `weights` filled in: bf16 by default, or what a compressed-tensors checkpoint
-    stores (`stored`, models/compressed.py CheckpointFormat), which loads as stored and is never
-    converted: asking for another weight format, or to prune a checkpoint that is not 2:4, is an error."""
+    """`config` with `weights` and `lm_head` filled in: bf16 weights by default, or what a
+    compressed-tensors checkpoint stores (`stored`, models/compressed.py CheckpointFormat), which
+    loads as stored and is never converted: asking for another weight format, or to prune a
+    checkpoint that is not 2:4, is an error. The LM head: `default_lm_head` unless asked for."""
     import dataclasses
     if stored is None:
-        return dataclasses.replace(config, weights=config.weights or "bf16")
+        weights = config.weights or "bf16"
+        return dataclasses.replace(config, weights=weights, lm_head=config.lm_head or default_lm_head(weights))
     if config.weights is not None and config.weights != stored.weights:
         raise ValueError(f"weights: {config.weights!r} was asked for, but {config.model} is a compressed-tensors "
                          f"checkpoint of {stored.describe()}, which loads as stored (leave weights unset)")
     if config.sparse_ffn is not None and not stored.sparse_ffn:
         raise ValueError(f"sparse_ffn: {config.model} is a compressed-tensors checkpoint of {stored.describe()}, "
                          "which loads as stored; it is not pruned to 2:4 (leave sparse_ffn unset)")
-    return dataclasses.replace(config, weights=stored.weights)
+    return dataclasses.replace(config, weights=stored.weights,
+                               lm_head=config.lm_head or default_lm_head(stored.weights, stored=True))

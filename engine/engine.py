@@ -210,6 +210,8 @@ class Engine:
                 windows = calibration_windows(self.tokenizer)
                 norms = input_channel_norms(self.model, lambda: self.hidden_states(windows, check=False))
             convert_model(self.model, config.weights, config.sparse_ffn, norms)
+        if not layerwise:   # (_place_layers converts it on the device)
+            self.model.set_lm_head(config.lm_head)
         self.eos_ids = set(cfg.eos_token_ids)
         self.max_model_len = min(config.max_model_len or min(cfg.max_position_embeddings, 8192),
                                  cfg.max_position_embeddings)
@@ -334,8 +336,8 @@ class Engine:
     def _non_layer_bytes(self) -> int:
         """The weights outside the decoder layers: embeddings, final norm, LM head."""
         m = self.model
-        return sum(t.nbytes for t in (m.embed_tokens.weight, m.norm.weight,
-                                      *(() if m.lm_head is None else (m.lm_head.weight,))))
+        head = 0 if m.lm_head is None else m.lm_head.backend.weight_bytes()
+        return head + sum(t.nbytes for t in (m.embed_tokens.weight, m.norm.weight))
 
     def _place_layers(self):
         """Move a model loaded into host memory to the device under gpu_memory_limit: the weights
@@ -349,6 +351,7 @@ class Engine:
             if name != "layers":
                 module.to(self.device)
         model.inv_freq = model.inv_freq.to(self.device)
+        model.set_lm_head(c.lm_head)
 
         def place(i):
             model.layers[i].to(self.device)

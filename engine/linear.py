@@ -143,9 +143,12 @@ def convert_model(model, weights: str = "bf16", sparse_ffn: str | None = None,
 
 
 def tune_model(model, tuner, m_values: list[int]) -> None:
-    """Tune every decoder GEMM's kernels for the M values the engine will run (engine start)."""
+    """Tune every decoder GEMM's kernels, and the LM head's, for the M values the engine will run
+    (engine start)."""
     for name, lin in model.linear_layers():
         lin.backend.tune(tuner, m_values, **({"swiglu": True} if name.endswith("gate_up_proj") else {}))
+    if model.lm_head is not None:
+        model.lm_head.backend.tune(tuner, m_values)
 
 
 @torch.inference_mode()

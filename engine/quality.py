@@ -50,10 +50,14 @@ def evaluate(llm, window: int = 512, count: int = 8, reference: list | None = No
         nll -= lp.gather(1, torch.tensor(ids[1:])[:, None]).sum().item()
         n += len(ids) - 1
         predictions.append(logits.argmax(-1))
-    agreement = None
-    if reference is not None:
-        agreement = (torch.cat(predictions) == torch.cat(reference)).float().mean().item()
+    agreement = None if reference is None else top1_agreement(predictions, reference)
     return math.exp(nll / n), predictions, agreement
+
+
+def top1_agreement(predictions: list, reference: list) -> float:
+    """The fraction of positions where two models' argmax predictions (evaluate's) agree."""
+    import torch
+    return (torch.cat(predictions) == torch.cat(reference)).float().mean().item()
 
 
 def perplexity(llm, window: int = 512, count: int = 8) -> float:

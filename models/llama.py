@@ -29,6 +29,7 @@ from torch import nn
 from engine.kernels import attention as attn_ops
 from engine.kernels.norms import rms_norm
 from engine.kernels.rope import apply_rope, rope_inv_freq
+from engine.formats import DenseWeight
 from engine.linear import Linear
 from engine.parallel import Shard, split_evenly
 from models.presets import LlamaConfig
@@ -204,9 +205,10 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, device, dtype, tp, shards)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
-        # The LM head stays in the model dtype whatever the weight format: it is 1 GEMM of ~100.
+        # None: tied to the embedding table (until set_lm_head gives it a quantised copy of it).
+        self.vocab_shards = shards and shards["vocab"]
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
-            cfg.hidden_size, cfg.vocab_size, device, dtype, shards and shards["vocab"], tp)
+            cfg.hidden_size, cfg.vocab_size, device, dtype, self.vocab_shards, tp)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
                              .to(device), persistent=False)
 
@@ -222,12 +224,24 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden):
-        """fp32 logits [M, vocab] (with tp: every rank's slice, gathered on every rank)."""
-        w = self.embed_tokens.weight if self.lm_head is None else None
-        logits = hidden @ w.t() if w is not None else self.lm_head(hidden)
+        """hidden [M, hidden] -> fp32 logits [M, vocab], through the LM head's weight format (with tp:
+        every rank's slice, gathered on every rank)."""
+        logits = hidden @ self.embed_tokens.weight.t() if self.lm_head is None else self.lm_head(hidden)
         if self.tp is not None:
             logits = self.tp.gather_vocab(logits, self.config.vocab_size)
         return logits.float()
+
+    def set_lm_head(self, fmt: str) -> None:
+        """Put the LM head in weight format `fmt` (bf16: the model dtype), once, on a model fresh from
+        loading. With tied embeddings a quantised head is its own copy of the table (with tp: of
+        this rank's rows); the embedding lookup keeps the table."""
+        if self.lm_head is None:
+            if fmt == "bf16":
+                return
+            self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size, "meta",
+                                  shards=self.vocab_shards, tp=self.tp)
+            self.lm_head.backend = DenseWeight(self.embed_tokens.weight)   # shared until converted
+        self.lm_head.convert(fmt)
 
     def full_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """(state_dict name, shape of the whole tensor) of every weight, in state_dict order: what a

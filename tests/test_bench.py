@@ -29,9 +29,10 @@ def test_bench_quick_runs_every_configuration(tmp_path, monkeypatch, capsys):
         assert row["prefill_tok_s"] > 0 and row["decode_b1_tok_s"] > 0
     assert rows["dense"]["agreement"] == 1.0
     quality = results["quality"]
-    assert set(quality) == {"dense", "fp8"}
+    assert set(quality) == {"dense", "fp8", "dense, fp8 head", "fp8, fp8 head"}    # --quick: the fp8 head
     assert all(v["perplexity"] > 1 and 0 < v["top1_agreement"] <= 1 for v in quality.values()), quality
     assert quality["dense"]["top1_agreement"] == 1.0
+    assert all(0 < quality[k]["top1_vs_bf16_head"] <= 1 for k in ("dense, fp8 head", "fp8, fp8 head"))
     assert (out / "results.md").read_text().count("|") > 20
     assert (out / "tokens_per_sec.png").stat().st_size > 1000
     assert (out / "roofline.png").stat().st_size > 1000
@@ -57,12 +58,14 @@ def test_bench_engine_wide_options(monkeypatch, capsys):
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--tune", default="on")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--lm-head", default=None)
     allocator.add_arguments(ap)
     args = ap.parse_args(["--allocator", "cudaMallocAsync", "--offload", "--gpu-memory-limit", "12"])
     assert bench.engine_overrides(args, ap) == {"offload": True, "gpu_memory_limit": 12.0, "cuda_graphs": False}
     assert bench.engine_overrides(ap.parse_args([]), ap) == {}
     assert bench.engine_overrides(ap.parse_args(["--tune", "off"]), ap) == {"tune": "off"}
     assert bench.engine_overrides(ap.parse_args(["--tensor-parallel-size", "2"]), ap) == {"tensor_parallel_size": 2}
+    assert bench.engine_overrides(ap.parse_args(["--lm-head", "nvfp4"]), ap) == {"lm_head": "nvfp4"}
     with pytest.raises(SystemExit) as e:      # checked before anything is loaded or measured
         bench.main(["--memory-release", "shared", "--out", "unused"])
     assert e.value.code == 2 and "needs the cudaMallocAsync backend" in capsys.readouterr().err
@@ -74,3 +77,19 @@ def test_throughput_requests_are_the_same_draws_for_engine_and_hf():
     a, b = bench.throughput_requests(args, 49152), bench.throughput_requests(args, 49152)
     assert a == b and len(a) == 256
     assert all(100 <= len(p) <= 1024 and 100 <= n <= 1024 for p, n in a)
+
+
+def test_compiled_peer_runs_on_the_cpu(capsys):
+    """benchmarks/compiled_peer.py (the torch.compile reference peer) end to end on tiny shapes,
+    eager: the GPU run compiles the same model."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "compiled_peer.py"
+    spec = importlib.util.spec_from_file_location("compiled_peer", path)
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    results = peer.main(["--preset", "llama-tiny", "--steps", "3", "--device", "cpu", "--no-compile",
+                         "--batches", "1,4", "--warmup", "1"])
+    assert set(results) == {1, 4} and all(tok_s > 0 and ms > 0 for tok_s, ms in results.values())
+    out = capsys.readouterr().out
+    assert "llama-tiny" in out and "tok/s" in out and "ms/step" in out
