@@ -185,6 +185,17 @@ def test_two_ranks_run_every_format(fmt):
         assert_same_greedy(out, ref, tol=1e-4)
 
 
+def test_two_ranks_with_a_quantised_tied_head(kv1_model):
+    """A tied model's quantised head is made from every rank's rows of the table and cut back to
+    the rank's vocabulary slice: the same weights as one rank's head, so the same logits."""
+    from engine import SamplingParams
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=5)
+    ref, ref_logits = _generate(kv1_model, 1, params, lm_head="nvfp4")
+    out, logits = _generate(kv1_model, 2, params, lm_head="nvfp4")
+    assert (logits - ref_logits).norm() / ref_logits.norm() < 1e-5
+    assert_same_greedy(out, ref, tol=1e-4)
+
+
 def test_world_size_one_under_torchrun_environment(monkeypatch):
     """The distributed path with one rank (what torchrun --nproc-per-node 1 gives): same tokens."""
     from engine import SamplingParams
