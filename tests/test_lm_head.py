@@ -230,6 +230,11 @@ def test_gpu_head_in_cuda_graphs(fmt):
             for b in (1, 5, 16):
                 bucket = graphs.bucket(b)
                 graphs.input_ids[:bucket].copy_(torch.randint(100, 49000, (bucket,), device=device, generator=gen))
+                # Each row its own KV block (no sequence owns blocks 1..bucket yet): rows left on the
+                # shared scratch block would race to write it, and replay and eager would differ.
+                blocks = torch.arange(1, bucket + 1, device=device, dtype=torch.int32)
+                graphs.block_tables[:bucket, 0] = blocks
+                graphs.slot_mapping[:bucket] = blocks.long() * engine.kv_cache.block_size
                 for logits in graphs.logits.values():
                     logits.fill_(float("nan"))
                 graphs.graphs[bucket].replay()
