@@ -2,11 +2,15 @@
 
 The model is written once against `Linear`; a weight format (bf16, fp8, nvfp4, 2:4, 2:4+fp8) is a
 backend module (engine/formats) that holds the weight as buffers in its own storage and knows how to
-multiply by it. Loading always fills the dense weight first (`Linear.weight`); `Linear.convert(...)`
-then swaps in the format's backend and drops the dense copy, so the peak is one layer's dense
-weight, not the model's.
+multiply by it. Loading fills the dense weight first (`Linear.weight`); `Linear.convert(...)` then
+swaps in the format's backend and drops the dense copy, so the peak is one layer's dense weight, not
+the model's. A checkpoint stored in a format gives its Linears their backends directly: built under
+`deferred_weights()`, they never allocate the dense weight.
 """
 from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -15,12 +19,27 @@ from engine.formats import DenseWeight, WeightFormat, format_class
 from engine.kernels.swiglu import swiglu
 
 
+_deferred = threading.local()
+
+
+@contextmanager
+def deferred_weights():
+    """Linears built inside hold their dense weight on the meta device (no memory): for a loader that
+    gives them their backends or dense weights afterwards."""
+    _deferred.on = True
+    try:
+        yield
+    finally:
+        _deferred.on = False
+
+
 class Linear(nn.Module):
     """A bias-free linear layer (Llama has no biases) whose weight format is a swappable backend."""
 
     def __init__(self, in_features: int, out_features: int, device=None, dtype=None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        device = "meta" if getattr(_deferred, "on", False) else device
         self.backend: WeightFormat = DenseWeight(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.fused = True   # the engine's fused-kernels switch, for the SwiGLU after this GEMM
 

@@ -283,3 +283,30 @@ def test_differing_nvfp4_global_scales_are_refused(tmp_path):
     save_file(sd, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match="q_proj.*weight_global_scale differs"):
         load_model(str(tmp_path), CPU, torch.float32)
+
+
+@pytest.mark.parametrize("stored", ["fp8", "2:4"])
+def test_stored_layers_allocate_no_dense_weight(tmp_path, monkeypatch, stored):
+    """Loading a checkpoint allocates dense weights only for the Linears it holds dense (here the LM
+    head, and attention in the 2:4 checkpoint): the others get their backends without a placeholder."""
+    import engine.formats
+    import engine.linear
+    from models.loader import load_model
+    allocated = []
+
+    class CountingDense(engine.formats.DenseWeight):
+        def __init__(self, weight):
+            super().__init__(weight)
+            if not weight.is_meta:
+                allocated.append(weight.nbytes)
+    monkeypatch.setattr(engine.linear, "DenseWeight", CountingDense)
+    monkeypatch.setattr(engine.formats, "DenseWeight", CountingDense)
+    model = _tiny_llama()
+    if stored == "2:4":
+        _prune_ffn_24(model)
+    _save(model, tmp_path, "FP8_DYNAMIC" if stored == "fp8" else None, sparse=stored == "2:4")
+    loaded = load_model(str(tmp_path), CPU, torch.float32)
+    dense = [loaded.model.lm_head] + [lin for _, lin in loaded.model.linear_layers() if lin.backend.name == "bf16"]
+    assert len(dense) == (1 if stored == "fp8" else 1 + 2 * len(loaded.model.layers))
+    assert sum(allocated) == sum(lin.in_features * lin.out_features * 4 for lin in dense)
+    assert not any(t.is_meta for t in loaded.model.state_dict().values())
