@@ -419,9 +419,12 @@ def quality(args, device):
     from engine.llm import LLM
     from engine.quality import evaluate
     rows, reference = {}, None
-    for name, overrides in QUALITY.items():
+    # Checkpoints of the embedded model (benchmarks/make_checkpoint.py) load as stored, each its own row.
+    entries = [(name, "llama", overrides) for name, overrides in QUALITY.items()] + [
+        (os.path.basename(os.path.normpath(path)), path, {}) for path in args.checkpoint or []]
+    for name, model, overrides in entries:
         try:
-            llm = LLM("llama", device=str(device), dtype=args.dtype, **overrides)
+            llm = LLM(model, device=str(device), dtype=args.dtype, **overrides)
         except (ValueError, NotImplementedError, ImportError) as e:
             rows[name] = f"n/a ({e})"
             continue
@@ -569,6 +572,9 @@ def main(argv=None):
     ap.add_argument("--no-quality", action="store_true", help="skip the perplexity column")
     ap.add_argument("--quality-only", action="store_true",
                     help="only the perplexity column (the embedded model's file is not on every GPU box)")
+    ap.add_argument("--checkpoint", action="append", metavar="DIR",
+                    help="quality: also a checkpoint of the embedded model (benchmarks/make_checkpoint.py); "
+                         "repeatable")
     ap.add_argument("--requests", type=int, default=256, help="requests in the throughput test")
     ap.add_argument("--min-len", type=int, default=100)
     ap.add_argument("--max-len", type=int, default=1024)

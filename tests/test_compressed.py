@@ -310,3 +310,37 @@ def test_stored_layers_allocate_no_dense_weight(tmp_path, monkeypatch, stored):
     assert len(dense) == (1 if stored == "fp8" else 1 + 2 * len(loaded.model.layers))
     assert sum(allocated) == sum(lin.in_features * lin.out_features * 4 for lin in dense)
     assert not any(t.is_meta for t in loaded.model.state_dict().values())
+
+
+@pytest.mark.parametrize("preset", [None, "FP8_DYNAMIC"], ids=["2:4", "2:4+fp8"])
+def test_recipe_records_the_2_4_structure(tmp_path, preset):
+    """benchmarks/make_checkpoint.py writes the sparsity_config llm-compressor leaves empty (through
+    compressed-tensors' config class): a pruned model saved by compressed-tensors then loads as 2:4; a
+    weight that is not 2:4 is refused before anything is written."""
+    import importlib.util
+    import os
+    spec = importlib.util.spec_from_file_location(
+        "make_checkpoint", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "make_checkpoint.py"))
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    from models.loader import load_model
+    ffn = ("gate_proj", "up_proj", "down_proj")
+    model = _tiny_llama()
+    _prune_ffn_24(model)
+    pruned = {n: m.weight.detach().clone() for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in ffn}
+    _save(model, tmp_path, preset)
+    written = (tmp_path / "config.json").read_text()
+    dense = {n: m.weight for n, m in _tiny_llama().named_modules() if n.endswith("mlp.up_proj")}
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.up_proj: .*not 2:4"):
+        recipe.record_sparsity(str(tmp_path), dense)
+    assert (tmp_path / "config.json").read_text() == written
+    recipe.record_sparsity(str(tmp_path), pruned)
+    loaded = load_model(str(tmp_path), CPU, torch.float32)
+    mlp, attn = ("2:4+fp8", "fp8") if preset else ("2:4", "bf16")
+    assert {lin.backend.name for name, lin in loaded.model.linear_layers() if ".mlp." in name} == {mlp}
+    assert {lin.backend.name for name, lin in loaded.model.linear_layers() if ".self_attn." in name} == {attn}
+    gate_up = loaded.model.layers[1].mlp.gate_up_proj.backend.dequantize().float()
+    kept = torch.cat([pruned["model.layers.1.mlp.gate_proj"], pruned["model.layers.1.mlp.up_proj"]]) != 0
+    assert not ((gate_up != 0) & ~kept).any()      # FP8 may round a kept value to 0, never the reverse
+    sc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]["sparsity_config"]
+    assert sc["format"] == "dense" and sc["sparsity_structure"] == "2:4" and sc["global_sparsity"] >= 0.5
