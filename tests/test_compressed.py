@@ -344,3 +344,28 @@ def test_recipe_records_the_2_4_structure(tmp_path, preset):
     assert not ((gate_up != 0) & ~kept).any()      # FP8 may round a kept value to 0, never the reverse
     sc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]["sparsity_config"]
     assert sc["format"] == "dense" and sc["sparsity_structure"] == "2:4" and sc["global_sparsity"] >= 0.5
+
+
+
+def test_fp8_layers_match_transformers(tmp_path):
+    """Each FP8 projection, on fresh random activations of several scales, gives what transformers'
+    compressed-tensors layer gives (the same per-token FP8 activations, then fp32 products in another
+    order). End to end, per-token FP8 rounding of two summation orders parts at rounding boundaries and
+    the parting grows layer by layer, so the layer is where the two are compared tightly."""
+    from transformers import AutoModelForCausalLM
+
+    from models.loader import load_model
+    _save(_tiny_llama(), tmp_path, "FP8_DYNAMIC")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ours = load_model(str(tmp_path), CPU, torch.float32).model
+    with torch.no_grad():
+        hf(torch.tensor([IDS]))      # decompresses its layers
+        for i, layer in enumerate(ours.layers):
+            for fused, parts in (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                                 ("mlp.down_proj", ("mlp.down_proj",))):
+                lin = layer.get_submodule(fused)
+                x = torch.randn(9, lin.in_features) * torch.rand(9, 1) * 10
+                # [batch, tokens, K] as in the model: its per-token scales are per row of x
+                ref = torch.cat([hf.model.layers[i].get_submodule(p)(x[None])[0] for p in parts], dim=-1)
+                got = lin(x)
+                assert (got - ref).abs().max() <= 1e-5 * ref.abs().max(), (i, fused)
