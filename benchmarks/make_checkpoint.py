@@ -14,7 +14,7 @@ load. The weights are the embedded GGUF file's, read by transformers. Schemes:
            2:4 along K, as the engine's own `--sparse-ffn` pruning does; attention stays dense.
 - 2:4+fp8: the same SparseGPT pruning, then FP8_DYNAMIC on every decoder projection.
 With --gptq, fp8 and nvfp4 quantise with GPTQ (calibrated, error-compensating) instead of rounding to
-nearest.
+nearest (not after 2:4 pruning: GPTQ's updates would fill the pruned positions).
 
 Calibration text: engine/quality.py's `calibration_windows`, docstrings of other standard-library
 modules than the evaluation text's, so no calibration token is an evaluation token.
@@ -33,7 +33,7 @@ README's install:
 
     python -m venv --system-site-packages .venv-compress
     .venv-compress/bin/pip install --no-deps "llmcompressor==0.14.0.1" "auto-round==0.15.1"
-    .venv-compress/bin/pip install datasets nvidia-ml-py py-cpuinfo
+    .venv-compress/bin/pip install datasets "accelerate>=1.15" loguru pyyaml pillow nvidia-ml-py py-cpuinfo
     .venv-compress/bin/python benchmarks/make_checkpoint.py --scheme 2:4+fp8 --out checkpoints/smollm2-2of4-fp8
 
 (pip then warns that llmcompressor asks for other transformers / compressed-tensors versions.)
@@ -101,15 +101,19 @@ def recipe(scheme: str, gptq: bool, dampening: float):
     return steps
 
 
-def record_sparsity(out: str, pruned: dict) -> None:
-    """Write the 2:4 sparsity_config llm-compressor leaves empty, after checking that every pruned
-    weight ({name: weight before compression}) holds the pattern."""
-    from compressed_tensors.config import DenseSparsityConfig
-
+def check_24(pruned: dict) -> None:
+    """Every pruned weight ({name: weight before compression}) holds a 2:4 pattern along K."""
     from engine.formats.sparse24 import is_24_sparse
     for name, w in pruned.items():
         if not is_24_sparse(w):
             raise ValueError(f"{name}: SparseGPT left a weight that is not 2:4 along K")
+
+
+def record_sparsity(out: str, pruned: dict) -> None:
+    """Write the 2:4 sparsity_config llm-compressor leaves empty into `out`'s config.json, after
+    checking the pattern (`check_24`)."""
+    from compressed_tensors.config import DenseSparsityConfig
+    check_24(pruned)
     zeros = sum(int((w == 0).sum()) for w in pruned.values())
     sparsity = DenseSparsityConfig(sparsity_structure="2:4", targets=FFN_TARGETS, ignore=[],
                                    global_sparsity=zeros / sum(w.numel() for w in pruned.values()))
@@ -136,8 +140,9 @@ def main(argv=None):
                     help="calibration samples at most (as many as the calibration text holds)")
     ap.add_argument("--dampening", type=float, default=0.01, help="SparseGPT's Hessian dampening fraction")
     args = ap.parse_args(argv)
-    if args.gptq and args.scheme.startswith("2:4") and args.scheme != "2:4+fp8":
-        ap.error("--gptq: the 2:4 scheme quantises nothing")
+    if args.gptq and args.scheme.startswith("2:4"):
+        # GPTQ's error compensation writes into the pruned positions: the 2:4 pattern would be lost.
+        ap.error("--gptq: fp8 and nvfp4 only")
 
     from llmcompressor import oneshot
     workdir = tempfile.TemporaryDirectory(prefix="make_checkpoint-")
@@ -150,6 +155,7 @@ def main(argv=None):
     if args.scheme.startswith("2:4"):
         pruned = {n: m.weight.detach().clone() for n, m in model.named_modules()
                   if n.rsplit(".", 1)[-1] in ("gate_proj", "up_proj", "down_proj")}
+        check_24(pruned)     # before anything is written
     model.save_pretrained(args.out, save_compressed=True)
     tokenizer.save_pretrained(args.out)
     if args.scheme.startswith("2:4"):
