@@ -369,3 +369,28 @@ def test_fp8_layers_match_transformers(tmp_path):
                 ref = torch.cat([hf.model.layers[i].get_submodule(p)(x[None])[0] for p in parts], dim=-1)
                 got = lin(x)
                 assert (got - ref).abs().max() <= 1e-5 * ref.abs().max(), (i, fused)
+
+
+def test_embedded_model_fp8_checkpoint(tmp_path, hf_smollm2):
+    """The embedded SmolLM2, quantised to FP8 by compressed-tensors (per-channel round to nearest, as
+    llm-compressor's FP8_DYNAMIC): its weights load bit for bit, and the engine runs them exactly as it
+    runs its own load-time FP8 of the same model, which computes the same values and scales."""
+    from transformers import LlamaForCausalLM
+
+    from engine import LLM
+    from models.loader import load_model
+    config = hf_smollm2.config.to_dict()
+    config.pop("quantization_config", None)     # read from GGUF, which transformers will not save
+    with torch.device("meta"):      # no random initialisation: the weights are copied in
+        model = LlamaForCausalLM(type(hf_smollm2.config).from_dict(config)).eval()
+    model.load_state_dict({k: v.clone() for k, v in hf_smollm2.state_dict().items()}, assign=True)
+    model.tie_weights()
+    _save(model, tmp_path, "FP8_DYNAMIC")
+    _check_bit_exact(tmp_path, load_model(str(tmp_path), CPU, torch.float32), "fp8")
+    stored, own = LLM(str(tmp_path), device="cpu", dtype="fp32"), LLM("llama", device="cpu", dtype="fp32", weights="fp8")
+    try:
+        ids = torch.randint(0, stored.tokenizer.vocab_size, (48,)).tolist()
+        assert torch.equal(stored.logits(ids), own.logits(ids))
+    finally:
+        stored.shutdown(timeout=1)
+        own.shutdown(timeout=1)
