@@ -428,12 +428,16 @@ def quality(args, device):
     from engine.llm import LLM
     from engine.quality import evaluate, top1_agreement
     rows, reference = {}, None
-    for name, overrides in QUALITY.items():
+    # Checkpoints of the embedded model (benchmarks/make_checkpoint.py) load as stored, each its own row;
+    # the load-time formats are measured with each LM head too.
+    entries = [(name, "llama", overrides, ("bf16", *args.quality_heads)) for name, overrides in QUALITY.items()] + [
+        (os.path.basename(os.path.normpath(path)), path, {}, ("bf16",)) for path in args.checkpoint or []]
+    for name, model, overrides, heads in entries:
         bf16_head = None
-        for head in ("bf16", *args.quality_heads):
+        for head in heads:
             label = name if head == "bf16" else f"{name}, {head} head"
             try:
-                llm = LLM("llama", device=str(device), dtype=args.dtype, **{**overrides, "lm_head": head})
+                llm = LLM(model, device=str(device), dtype=args.dtype, **{**overrides, "lm_head": head})
             except (ValueError, NotImplementedError, ImportError) as e:
                 rows[label] = f"n/a ({e})"
                 continue
@@ -596,6 +600,9 @@ def main(argv=None):
     ap.add_argument("--no-quality", action="store_true", help="skip the perplexity column")
     ap.add_argument("--quality-only", action="store_true",
                     help="only the perplexity column (the embedded model's file is not on every GPU box)")
+    ap.add_argument("--checkpoint", action="append", metavar="DIR",
+                    help="quality: also a checkpoint of the embedded model (benchmarks/make_checkpoint.py); "
+                         "repeatable")
     ap.add_argument("--requests", type=int, default=256, help="requests in the throughput test")
     ap.add_argument("--min-len", type=int, default=100)
     ap.add_argument("--max-len", type=int, default=1024)

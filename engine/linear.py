@@ -2,9 +2,10 @@
 
 The model is written once against `Linear`; a weight format (bf16, fp8, nvfp4, 2:4, 2:4+fp8) is a
 backend module (engine/formats) that holds the weight as buffers in its own storage and knows how to
-multiply by it. Loading always fills the dense weight first (`Linear.weight`); `Linear.convert(...)`
-then swaps in the format's backend and drops the dense copy, so the peak is one layer's dense
-weight, not the model's.
+multiply by it. Loading fills the dense weight first (`Linear.weight`); `Linear.convert(...)` then
+swaps in the format's backend and drops the dense copy, so the peak is one layer's dense weight, not
+the model's. A checkpoint stored in a format gives its Linears their backends directly: built under
+`deferred_weights()`, they never allocate the dense weight.
 
 Under tensor parallelism (engine/parallel.py) a Linear holds one rank's `Shard` of the full weight:
 `in_features` / `out_features` are the shard's, `full_shape` the whole weight's. Loading copies in
@@ -14,12 +15,29 @@ exactly its slice of what one GPU would hold (the same scales), never the whole 
 """
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
 from engine.formats import DenseWeight, WeightFormat, format_class
 from engine.kernels.swiglu import swiglu
 from engine.parallel import Shard
+
+
+_deferred = threading.local()
+
+
+@contextmanager
+def deferred_weights():
+    """Linears built inside hold their dense weight on the meta device (no memory): for a loader that
+    gives them their backends or dense weights afterwards."""
+    _deferred.on = True
+    try:
+        yield
+    finally:
+        _deferred.on = False
 
 
 class Linear(nn.Module):
@@ -36,6 +54,7 @@ class Linear(nn.Module):
         self.tp = tp
         self.shard = self.shards[tp.rank if tp is not None else 0]
         self.out_features, self.in_features = self.shard.shape
+        device = "meta" if getattr(_deferred, "on", False) else device
         self.backend: WeightFormat = DenseWeight(torch.empty(self.out_features, self.in_features,
                                                              device=device, dtype=dtype))
         self.fused = True   # the engine's fused-kernels switch, for the SwiGLU after this GEMM

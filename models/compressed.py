@@ -9,6 +9,8 @@ Contract:
   asymmetric schemes, static or non-per-token FP8 activations, a quantised embedding or LM head, a
   quantised KV cache, transforms, the bitmask-compressed 2:4 layout) raises ModelLoadError naming the
   scheme or field: a config is never silently dropped.
+- `model_for(cfg, fmt, device, dtype)` builds the model a checkpoint loads into without allocating a
+  dense weight for any Linear the checkpoint stores in another format.
 - `build_backend(kind, parts, dtype, device, where)` builds the backend of one engine Linear from the
   stored tensors of the checkpoint projections it fuses (q, k, v or gate, up, in row order), without
   dequantising: values and scales are the stored ones, bit for bit.
@@ -161,8 +163,8 @@ def checkpoint_format(hf: dict, path: str, num_layers: int) -> CheckpointFormat 
                          f"{sparsity.sparsity_structure!r} is not supported (only 2:4)")
         if sparsity.format != "dense":
             raise _error(f"{where}: quantization_config.sparsity_config.format {sparsity.format!r} is not "
-                         "supported (2:4 weights load from dense tensors; compressed-tensors itself no "
-                         "longer reads the bitmask layouts)")
+                         "supported (2:4 weights load from dense tensors: compressed-tensors has had no "
+                         "decompressor for the bitmask layouts since 0.15)")
 
     linear, embedding = torch.nn.Linear(1, 1, device="meta"), torch.nn.Embedding(1, 1, device="meta")
 
@@ -202,6 +204,23 @@ def fused_kind(fmt: CheckpointFormat, layer: int, fused: str) -> str:
         raise _error(f"{', '.join(parts)} are stored as {', '.join(sorted(kinds))}: the engine fuses "
                      "them into one weight, which needs one format")
     return kinds.pop()
+
+
+def model_for(cfg, fmt: CheckpointFormat, device, dtype, tp=None):
+    """The LlamaForCausalLM a checkpoint loads into: the Linears it holds dense (its bf16 projections, the
+    LM head) get their dense weights; the others keep a meta placeholder (no memory) until
+    `build_backend` gives them their backends."""
+    from engine.formats import DenseWeight
+    from engine.linear import deferred_weights
+    from models.llama import LlamaForCausalLM
+    with deferred_weights():
+        model = LlamaForCausalLM(cfg, device=device, dtype=dtype, tp=tp)
+    dense = [model.lm_head] if model.lm_head is not None else []
+    for i, layer in enumerate(model.layers):
+        dense += [layer.get_submodule(f) for f in FUSED_PROJECTIONS if fused_kind(fmt, i, f) == "bf16"]
+    for lin in dense:
+        lin.backend = DenseWeight(torch.empty(lin.out_features, lin.in_features, device=device, dtype=dtype))
+    return model
 
 
 def _checked(t: torch.Tensor, dtype, shape, what: str) -> torch.Tensor:
@@ -276,4 +295,4 @@ def build_backend(kind: str, parts: list[dict[str, torch.Tensor]], names: list[s
 
 
 __all__ = ["CheckpointFormat", "FUSED_PROJECTIONS", "STORED_TENSORS", "build_backend", "checkpoint_format",
-           "fused_kind"]
+           "fused_kind", "model_for"]

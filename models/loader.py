@@ -252,7 +252,10 @@ def load_hf_dir(path: str, device, dtype, tp=None) -> LoadedModel:
         raise ModelLoadError(f"{path}: no *.safetensors weight files")
     from models import compressed
     stored = compressed.checkpoint_format(hf, path, cfg.num_layers)
-    model = LlamaForCausalLM(cfg, device=device, dtype=dtype, tp=tp)
+    if stored is None:
+        model = LlamaForCausalLM(cfg, device=device, dtype=dtype, tp=tp)
+    else:   # the Linears stored in a format never allocate a dense weight (models/compressed.py)
+        model = compressed.model_for(cfg, stored, device, dtype, tp)
 
     # Which HF tensor goes where: (engine weight, first row, rows); fused projections take sections.
     nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -322,6 +325,9 @@ def load_hf_dir(path: str, device, dtype, tp=None) -> LoadedModel:
         raise ModelLoadError(f"{path}: {len(missing)} weights missing, e.g. {missing[0]}")
     if stored is not None:
         _fill_stored_backends(model, stored, stored_parts, dtype, device)
+        unfilled = [n for n, t in model.state_dict(keep_vars=True).items() if t.is_meta]
+        if unfilled:
+            raise ModelLoadError(f"{path}: {len(unfilled)} weights have no tensors, e.g. {unfilled[0]}")
     from transformers import AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(path)

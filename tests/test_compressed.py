@@ -283,3 +283,114 @@ def test_differing_nvfp4_global_scales_are_refused(tmp_path):
     save_file(sd, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match="q_proj.*weight_global_scale differs"):
         load_model(str(tmp_path), CPU, torch.float32)
+
+
+@pytest.mark.parametrize("stored", ["fp8", "2:4"])
+def test_stored_layers_allocate_no_dense_weight(tmp_path, monkeypatch, stored):
+    """Loading a checkpoint allocates dense weights only for the Linears it holds dense (here the LM
+    head, and attention in the 2:4 checkpoint): the others get their backends without a placeholder."""
+    import engine.formats
+    import engine.linear
+    from models.loader import load_model
+    allocated = []
+
+    class CountingDense(engine.formats.DenseWeight):
+        def __init__(self, weight):
+            super().__init__(weight)
+            if not weight.is_meta:
+                allocated.append(weight.nbytes)
+    monkeypatch.setattr(engine.linear, "DenseWeight", CountingDense)
+    monkeypatch.setattr(engine.formats, "DenseWeight", CountingDense)
+    model = _tiny_llama()
+    if stored == "2:4":
+        _prune_ffn_24(model)
+    _save(model, tmp_path, "FP8_DYNAMIC" if stored == "fp8" else None, sparse=stored == "2:4")
+    loaded = load_model(str(tmp_path), CPU, torch.float32)
+    dense = [loaded.model.lm_head] + [lin for _, lin in loaded.model.linear_layers() if lin.backend.name == "bf16"]
+    assert len(dense) == (1 if stored == "fp8" else 1 + 2 * len(loaded.model.layers))
+    assert sum(allocated) == sum(lin.in_features * lin.out_features * 4 for lin in dense)
+    assert not any(t.is_meta for t in loaded.model.state_dict().values())
+
+
+@pytest.mark.parametrize("preset", [None, "FP8_DYNAMIC"], ids=["2:4", "2:4+fp8"])
+def test_recipe_records_the_2_4_structure(tmp_path, preset):
+    """benchmarks/make_checkpoint.py writes the sparsity_config llm-compressor leaves empty (through
+    compressed-tensors' config class): a pruned model saved by compressed-tensors then loads as 2:4; a
+    weight that is not 2:4 is refused before anything is written."""
+    import importlib.util
+    import os
+    spec = importlib.util.spec_from_file_location(
+        "make_checkpoint", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "make_checkpoint.py"))
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    from models.loader import load_model
+    ffn = ("gate_proj", "up_proj", "down_proj")
+    model = _tiny_llama()
+    _prune_ffn_24(model)
+    pruned = {n: m.weight.detach().clone() for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in ffn}
+    _save(model, tmp_path, preset)
+    written = (tmp_path / "config.json").read_text()
+    dense = {n: m.weight for n, m in _tiny_llama().named_modules() if n.endswith("mlp.up_proj")}
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.up_proj: .*not 2:4"):
+        recipe.record_sparsity(str(tmp_path), dense)
+    assert (tmp_path / "config.json").read_text() == written
+    recipe.record_sparsity(str(tmp_path), pruned)
+    loaded = load_model(str(tmp_path), CPU, torch.float32)
+    mlp, attn = ("2:4+fp8", "fp8") if preset else ("2:4", "bf16")
+    assert {lin.backend.name for name, lin in loaded.model.linear_layers() if ".mlp." in name} == {mlp}
+    assert {lin.backend.name for name, lin in loaded.model.linear_layers() if ".self_attn." in name} == {attn}
+    gate_up = loaded.model.layers[1].mlp.gate_up_proj.backend.dequantize().float()
+    kept = torch.cat([pruned["model.layers.1.mlp.gate_proj"], pruned["model.layers.1.mlp.up_proj"]]) != 0
+    assert not ((gate_up != 0) & ~kept).any()      # FP8 may round a kept value to 0, never the reverse
+    sc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]["sparsity_config"]
+    assert sc["format"] == "dense" and sc["sparsity_structure"] == "2:4" and sc["global_sparsity"] >= 0.5
+
+
+
+def test_fp8_layers_match_transformers(tmp_path):
+    """Each FP8 projection, on fresh random activations of several scales, gives what transformers'
+    compressed-tensors layer gives (the same per-token FP8 activations, then fp32 products in another
+    order). End to end, per-token FP8 rounding of two summation orders parts at rounding boundaries and
+    the parting grows layer by layer, so the layer is where the two are compared tightly."""
+    from transformers import AutoModelForCausalLM
+
+    from models.loader import load_model
+    _save(_tiny_llama(), tmp_path, "FP8_DYNAMIC")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ours = load_model(str(tmp_path), CPU, torch.float32).model
+    with torch.no_grad():
+        hf(torch.tensor([IDS]))      # decompresses its layers
+        for i, layer in enumerate(ours.layers):
+            for fused, parts in (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                                 ("mlp.down_proj", ("mlp.down_proj",))):
+                lin = layer.get_submodule(fused)
+                x = torch.randn(9, lin.in_features) * torch.rand(9, 1) * 10
+                # [batch, tokens, K] as in the model: its per-token scales are per row of x
+                ref = torch.cat([hf.model.layers[i].get_submodule(p)(x[None])[0] for p in parts], dim=-1)
+                got = lin(x)
+                assert (got - ref).abs().max() <= 1e-5 * ref.abs().max(), (i, fused)
+
+
+def test_embedded_model_fp8_checkpoint(tmp_path, hf_smollm2):
+    """The embedded SmolLM2, quantised to FP8 by compressed-tensors (per-channel round to nearest, as
+    llm-compressor's FP8_DYNAMIC): its weights load bit for bit, and the engine runs them exactly as it
+    runs its own load-time FP8 of the same model, which computes the same values and scales."""
+    from transformers import LlamaForCausalLM
+
+    from engine import LLM
+    from models.loader import load_model
+    config = hf_smollm2.config.to_dict()
+    config.pop("quantization_config", None)     # read from GGUF, which transformers will not save
+    with torch.device("meta"):      # no random initialisation: the weights are copied in
+        model = LlamaForCausalLM(type(hf_smollm2.config).from_dict(config)).eval()
+    model.load_state_dict({k: v.clone() for k, v in hf_smollm2.state_dict().items()}, assign=True)
+    model.tie_weights()
+    _save(model, tmp_path, "FP8_DYNAMIC")
+    _check_bit_exact(tmp_path, load_model(str(tmp_path), CPU, torch.float32), "fp8")
+    stored, own = LLM(str(tmp_path), device="cpu", dtype="fp32"), LLM("llama", device="cpu", dtype="fp32", weights="fp8")
+    try:
+        ids = torch.randint(0, stored.tokenizer.vocab_size, (48,)).tolist()
+        assert torch.equal(stored.logits(ids), own.logits(ids))
+    finally:
+        stored.shutdown(timeout=1)
+        own.shutdown(timeout=1)
