@@ -196,6 +196,29 @@ def test_two_ranks_with_a_quantised_tied_head(kv1_model):
     assert_same_greedy(out, ref, tol=1e-4)
 
 
+@pytest.mark.parametrize("scheme", ["FP8_DYNAMIC", "NVFP4A16", "2:4"])
+def test_two_ranks_shard_a_compressed_tensors_checkpoint(tmp_path, scheme):
+    """A checkpoint loaded as stored (models/compressed.py): each rank cuts its shard from the
+    backend built from the stored tensors, values and scales as one rank holds them."""
+    from engine import SamplingParams
+    from tests.test_compressed import _prune_ffn_24, _save, _tiny_llama
+    model = _tiny_llama()       # 6 heads, 2 KV heads, FFN 192: every split on its format's granule
+    if scheme == "2:4":
+        _prune_ffn_24(model)
+    _save(model, tmp_path / "dense")
+    _save(model, tmp_path / "ckpt", None if scheme == "2:4" else scheme, sparse=scheme == "2:4")
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=5)
+    ref, ref_logits = _generate(str(tmp_path / "ckpt"), 1, params)
+    out, logits = _generate(str(tmp_path / "ckpt"), 2, params)
+    err = ((logits - ref_logits).norm() / ref_logits.norm()).item()
+    if scheme == "FP8_DYNAMIC":     # per-rank activation scales: less than FP8's own error
+        _, dense_logits = _generate(str(tmp_path / "dense"), 1, params)
+        assert err < ((ref_logits - dense_logits).norm() / dense_logits.norm()).item()
+    else:
+        assert err < 1e-5
+        assert_same_greedy(out, ref, tol=1e-4)
+
+
 def test_world_size_one_under_torchrun_environment(monkeypatch):
     """The distributed path with one rank (what torchrun --nproc-per-node 1 gives): same tokens."""
     from engine import SamplingParams
