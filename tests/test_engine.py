@@ -297,21 +297,13 @@ def test_a_step_hands_out_the_tokens_of_the_step_before():
     assert not engine.has_work() and engine.kv_cache.pool.num_free == engine.kv_cache.pool.num_blocks
 
 
-@pytest.mark.gpu
-def test_gpu_step_loop_steady_state_never_synchronises():
-    """Under torch.cuda.set_sync_debug_mode("error") any hidden host-device synchronisation raises:
-    the pipelined step loop must run decode steps (CUDA graphs), prefills joining them and sampling
-    of every kind without one."""
-    from engine.config import EngineConfig
-    from engine.engine import Engine
-    engine = Engine(EngineConfig(model="llama-tiny", device="cuda", dtype="bf16", kv_cache_tokens=8192))
-    kinds = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
-             SamplingParams(max_tokens=40, temperature=0.9, top_p=0.8, top_k=50, ignore_eos=True),
-             SamplingParams(max_tokens=40, temperature=0.7, seed=3, ignore_eos=True, logprobs=2)]
+def steady_state_without_sync(engine, kinds, requests: int = 12) -> None:
+    """Run 40-token requests of each sampling kind through the engine, with the 30 steps after
+    the warm-up (a newcomer's prefill joining at step 10) under sync_debug_mode "error"."""
     outs = {}
-    for i in range(12):
+    for i in range(requests):
         outs[f"r{i}"] = []
-        engine.add_request(f"r{i}", list(range(5 + i, 40 + 3 * i)), kinds[i % 3], outs[f"r{i}"].append)
+        engine.add_request(f"r{i}", list(range(5 + i, 40 + 3 * i)), kinds[i % len(kinds)], outs[f"r{i}"].append)
     for _ in range(6):              # prefills, first decodes, graph buckets and allocations warmed
         engine.step()
     torch.cuda.synchronize()
@@ -327,6 +319,20 @@ def test_gpu_step_loop_steady_state_never_synchronises():
     while engine.has_work():
         engine.step()
     assert all(len([c for c in chunks if c.token_ids]) == 40 for chunks in outs.values())
+
+
+@pytest.mark.gpu
+def test_gpu_step_loop_steady_state_never_synchronises():
+    """Under torch.cuda.set_sync_debug_mode("error") any hidden host-device synchronisation raises:
+    the pipelined step loop must run decode steps (CUDA graphs), prefills joining them and sampling
+    of every kind without one."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    engine = Engine(EngineConfig(model="llama-tiny", device="cuda", dtype="bf16", kv_cache_tokens=8192))
+    kinds = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+             SamplingParams(max_tokens=40, temperature=0.9, top_p=0.8, top_k=50, ignore_eos=True),
+             SamplingParams(max_tokens=40, temperature=0.7, seed=3, ignore_eos=True, logprobs=2)]
+    steady_state_without_sync(engine, kinds)
     assert engine.ring.host_waits == 0
     assert engine.kv_cache.pool.num_free == engine.kv_cache.pool.num_blocks
 

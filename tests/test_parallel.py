@@ -450,31 +450,13 @@ def test_nccl_step_loop_steady_state_never_synchronises(monkeypatch):
     from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.sampling import SamplingParams
+    from tests.test_engine import steady_state_without_sync
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": str(_free_port())}.items():
         monkeypatch.setenv(k, v)
     engine = Engine(EngineConfig(model="llama-tiny", device="cuda", dtype="bf16", kv_cache_tokens=8192))
     try:
         assert engine.tp is not None and engine._driving and engine.graphs is not None
-        outs = {}
-        params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-        for i in range(8):
-            outs[f"r{i}"] = []
-            engine.add_request(f"r{i}", list(range(5 + i, 40 + 3 * i)), params, outs[f"r{i}"].append)
-        for _ in range(6):
-            engine.step()
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            for step in range(30):
-                if step == 10:
-                    outs["late"] = []
-                    engine.add_request("late", list(range(300, 377)), params, outs["late"].append)
-                engine.step()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        while engine.has_work():
-            engine.step()
-        assert all(len([c for c in chunks if c.token_ids]) == 40 for chunks in outs.values())
+        steady_state_without_sync(engine, [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)], 8)
     finally:
         engine.close()
