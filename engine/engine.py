@@ -248,22 +248,21 @@ class Engine:
     def _join_group(self, size: int, rank: int, init_method: str | None) -> None:
         """Become rank `rank` of the tensor-parallel group: spawn the other ranks (rank 0, unless
         torchrun started every rank), then join the process group on this rank's device."""
-        check_size(size, self.device)
         local = rank
         env = from_environment()
         if init_method is None and env is not None:     # torchrun: every rank runs the caller's code
             rank, world, local = env
             if world != size:
                 raise ValueError(f"tensor_parallel_size: {size}, but torchrun started {world} processes")
-        elif init_method is None:
+        elif init_method is None:       # rank 0 starts the others on this machine's GPUs
+            check_size(size, self.device)
             self.workers, init_method = start_workers(self.config, size)
         self.device = rank_device(self.device, local)
         try:
-            if self.workers is not None:    # a worker that dies before it joins is an error now
-                self.tp = self.workers.while_alive(lambda: init_group(rank, size, self.device,
-                                                                               init_method))
-            else:
-                self.tp = init_group(rank, size, self.device, init_method)
+            def join():
+                return init_group(rank, size, self.device, init_method)
+            # A spawned worker that dies before it joins is an error at once, not at the timeout.
+            self.tp = self.workers.while_alive(join) if self.workers is not None else join()
         except BaseException:
             if self.workers is not None:
                 self.workers.join(0)
@@ -303,6 +302,7 @@ class Engine:
         """Called by the engine thread when it has nothing to run: keeps idle ranks in touch."""
         if self._driving:
             self.tp.keepalive()
+
     def _kv_bytes_per_token(self) -> int:
         cfg = self.model_config
         return KVCache.bytes_per_token(cfg.num_layers, self.model.num_local_kv_heads, cfg.head_dim, self.dtype)

@@ -163,14 +163,14 @@ def test_two_ranks_give_the_greedy_tokens_of_one(model, kv1_model):
     assert (logits - ref_logits).norm() / ref_logits.norm() < 1e-5
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "2:4", "2:4+fp8"])
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "2:4", "2:4+fp8", "2:4 wanda"])
 def test_two_ranks_run_every_format(fmt):
     """Each rank holds its slice of the one-rank weights, so the logits differ only where FP8
     activations are quantised per rank (a per-token scale spans the rank's K): less than the
     format's own error against the dense model."""
     from engine import SamplingParams
     kw = {"weights": "fp8" if "fp8" in fmt else ("nvfp4" if fmt == "nvfp4" else None),
-          "sparse_ffn": "magnitude" if "2:4" in fmt else None}
+          "sparse_ffn": ("wanda" if "wanda" in fmt else "magnitude") if "2:4" in fmt else None}
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=5)
     ref, ref_logits = _generate("llama-tiny", 1, params, **kw)
     out, logits = _generate("llama-tiny", 2, params, **kw)
