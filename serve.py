@@ -924,7 +924,7 @@ ENGINE_HELP = {
     "fused_kernels": "fused Triton norm/RoPE/SwiGLU kernels; off: PyTorch references (attention "
                      "always uses its Triton kernels on cuda) (default: on)",
     "tensor_parallel_size": "shard the model over N GPUs, one process each, over NCCL; under torchrun "
-                            "the ranks it started (default: 1)",
+                            "the ranks it started",
     "tune": "on: time the GEMM kernels for this model's shapes at start (cached in "
             "~/.cache/microengine); off: each op's default kernel",
     "tokenizer": "tokenizer directory for shape presets (default: the embedded model's, or "
