@@ -87,9 +87,9 @@ class TPGroup:
         return x
 
     def gather_vocab(self, local: torch.Tensor, vocab: int) -> torch.Tensor:
-        """Logits [M, V] from each rank's vocabulary slice [M, V/size] (padded: the tail is cut)."""
-        parts = self.all_gather(local)                       # [size, M, Vl]
-        return parts.permute(1, 0, 2).reshape(local.shape[0], -1)[:, :vocab]
+        """Logits [M, V] from each rank's vocabulary slice [M, V/size] (rank r holds rows r*V/size..)."""
+        parts = self.all_gather(local)                       # [size, M, V/size]
+        return parts.permute(1, 0, 2).reshape(local.shape[0], vocab)
 
     # ------------------------------------------------------------ host side
     def agree_min(self, value: int) -> int:
