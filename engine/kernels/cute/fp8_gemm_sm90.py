@@ -14,12 +14,12 @@ Structure (persistent, warp-specialised):
 The producer runs ahead into the next tile while the consumers are in the epilogue.
 
 Accumulation precision: Hopper's FP8 WGMMA adds its products into the fp32 accumulator with a
-reduced-precision internal sum (about 1.3-2x the error of the bf16 output rounding at Llama K, as
-cuBLAS with use_fast_accum=True). The default ("precise") mode therefore runs each 256-deep slice of
+reduced-precision internal sum (as cuBLAS with use_fast_accum=True; BENCHMARKS.md measures it). The
+default ("precise") mode therefore runs each 256-deep slice of
 K (two 128-deep k-tiles, `promote_every`) into a fresh WGMMA accumulator and adds it into the true
 fp32 accumulator with ordinary FADDs (the promotion that cuBLAS does unless use_fast_accum=True).
-Each promotion waits for its WGMMAs to drain; every second k-tile halves those stalls at no
-measurable cost in accuracy, every fourth holds too many stages while draining (BENCHMARKS.md). Two
+Each promotion waits for its WGMMAs to drain, so promoting every second k-tile halves those stalls;
+BENCHMARKS.md has the intervals' speed and accuracy. Two
 accumulators in registers cap the tile at 128 x 128; fast_accum=True keeps one and allows 128 x 256.
 
 Tile order (L2 reuse): the persistent CTAs walk the output tiles in column groups of `swizzle` N
@@ -388,7 +388,7 @@ def fp8_gemm_sm90(qx: torch.Tensor, x_scale: torch.Tensor, qw: torch.Tensor, w_s
     tile_mn, swizzle and promote_every override the tile, tile-order and promotion-interval choices
     (tests cover every tile, the benchmark's sweeps every order and interval); out is written in
     place if given;
-    fast_accum skips the per-k-tile promotion (faster, ~2x the error: see the module docstring).
+    fast_accum skips the promotion (faster, less accurate: see the module docstring).
     """
     m, k = qx.shape
     n = qw.shape[0]
