@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 WEIGHT_FORMATS = ("bf16", "fp8", "nvfp4")
-LM_HEAD_FORMATS = ("bf16", "fp8", "nvfp4")
+LM_HEAD_FORMATS = WEIGHT_FORMATS       # the LM head is a Linear too
 SPARSE_METHODS = ("magnitude", "wanda")
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
            "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}

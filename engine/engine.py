@@ -36,7 +36,8 @@ from engine.kernels.select import m_bucket
 from engine.kernels.tuner import Tuner
 from engine.linear import convert_model, input_channel_norms, tune_model
 from engine.memory.host_ring import PinnedRing
-from engine.parallel import ParallelError, check_size, from_environment, init_group, rank_device, start_workers
+from engine.parallel import (ParallelError, check_size, from_environment, init_group, leave_group, rank_device,
+                             start_workers)
 from engine.memory.kv_cache import KVCache
 from engine.quality import calibration_windows
 from engine.sampling import Sampler, SamplingParams, TokenLogprob
@@ -175,11 +176,12 @@ class Engine:
                              "with offload / gpu_memory_limit (use sparse_ffn='magnitude')")
         self.tp, self.workers, self._driving = None, None, False
         # Under torchrun (even one process: the distributed path at world size 1) ranks join its group.
-        if config.tensor_parallel_size > 1 or from_environment() is not None:
+        env = from_environment() if tp_init is None else None
+        if config.tensor_parallel_size > 1 or env is not None:
             if layerwise:
                 raise ValueError("tensor_parallel_size: shards the model over GPUs; it does not combine with "
                                  "offload / gpu_memory_limit")
-            self._join_group(config.tensor_parallel_size, tp_rank, tp_init)
+            self._join_group(config.tensor_parallel_size, tp_rank, tp_init, env)
             try:
                 self._build(config, layerwise)
             except BaseException:
@@ -245,12 +247,12 @@ class Engine:
             # do not sync with it, so everything it queued must be done first (once).
             torch.cuda.synchronize(self.device)
 
-    def _join_group(self, size: int, rank: int, init_method: str | None) -> None:
+    def _join_group(self, size: int, rank: int, init_method: str | None, env) -> None:
         """Become rank `rank` of the tensor-parallel group: spawn the other ranks (rank 0, unless
-        torchrun started every rank), then join the process group on this rank's device."""
+        torchrun started every rank: `env`, its (rank, world, local rank)), then join the process
+        group on this rank's device."""
         local = rank
-        env = from_environment()
-        if init_method is None and env is not None:     # torchrun: every rank runs the caller's code
+        if env is not None:     # torchrun: every rank runs the caller's code
             rank, world, local = env
             if world != size:
                 raise ValueError(f"tensor_parallel_size: {size}, but torchrun started {world} processes")
@@ -274,11 +276,7 @@ class Engine:
         if self.workers is not None:
             self.workers.join(timeout=0)
         self.tp = None
-        try:
-            import torch.distributed as dist
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
+        leave_group()
 
     def close(self) -> None:
         """Rank 0: stop the other ranks and leave the process group (no process is left behind)."""
@@ -292,11 +290,7 @@ class Engine:
             pass        # a rank is already gone; the others see the broken group and exit
         if self.workers is not None:
             self.workers.join(timeout=30)
-        try:
-            import torch.distributed as dist
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - a broken group: the process goes on without it
-            pass
+        leave_group()
 
     def idle(self) -> None:
         """Called by the engine thread when it has nothing to run: keeps idle ranks in touch."""

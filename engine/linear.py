@@ -123,11 +123,12 @@ class Linear(nn.Module):
                              f"{self.full_shape[0]} x {self.full_shape[1]}")
         self.backend = backend.shard(self.shard) if self.sharded else backend
 
-    def convert(self, fmt: str, **kwargs) -> None:
-        """Replace the dense weight by backend `fmt` built from it (kwargs go to its from_dense)."""
+    def convert(self, fmt: str, full: torch.Tensor | None = None, **kwargs) -> None:
+        """Replace the dense weight by backend `fmt` built from it (kwargs go to its from_dense);
+        `full`: the whole dense weight where the caller already holds it (full_weight())."""
         cls = format_class(fmt)
         if cls is not type(self.backend):
-            self.set_backend(cls.from_dense(self.full_weight(), **kwargs))
+            self.set_backend(cls.from_dense(self.full_weight() if full is None else full, **kwargs))
 
     def extra_repr(self):
         return f"in={self.in_features}, out={self.out_features}, format={self.backend.name}"
@@ -148,7 +149,7 @@ def convert_model(model, weights: str = "bf16", sparse_ffn: str | None = None,
         if prefixes is not None and not name.startswith(prefixes):
             continue
         if sparse_ffn and ".mlp." in name:
-            score = None
+            score = w = None
             if sparse_ffn == "wanda":
                 from engine.formats.sparse24 import wanda_score
                 w = lin.full_weight()
@@ -156,7 +157,7 @@ def convert_model(model, weights: str = "bf16", sparse_ffn: str | None = None,
                 if lin.shard.cols != (0, lin.full_shape[1]):     # this rank's input channels: gather all
                     norms = lin.tp.all_gather(norms).flatten()
                 score = wanda_score(w, norms)
-            lin.convert("2:4+fp8" if weights == "fp8" else "2:4", score=score)
+            lin.convert("2:4+fp8" if weights == "fp8" else "2:4", full=w, score=score)
         elif weights != "bf16":
             lin.convert(weights)
 

@@ -121,7 +121,8 @@ class TPGroup:
                                 f"({type(e).__name__}: {e}); a rank has died or timed out") from e
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a rendezvous on this machine)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -139,6 +140,14 @@ def init_group(rank: int, size: int, device: torch.device, init_method: str | No
                             timeout=timeout, **kw)
     host = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
     return TPGroup(rank, size, dist.group.WORLD, host)
+
+
+def leave_group() -> None:
+    """Leave the process group, broken or not: the process goes on without it."""
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - a broken group may fail to tear down
+        pass
 
 
 def from_environment() -> tuple[int, int, int] | None:
@@ -212,7 +221,7 @@ class Workers:
 
 
 def start_workers(config, size: int) -> tuple[Workers, str]:
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    init_method = f"tcp://127.0.0.1:{free_port()}"
     return Workers(config, size, init_method), init_method
 
 

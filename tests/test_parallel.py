@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,7 +16,7 @@ import pytest
 import torch
 
 from engine.formats import format_class
-from engine.parallel import Shard, check_size, split_evenly
+from engine.parallel import Shard, check_size, free_port, split_evenly
 from models.llama import tensor_parallel_shards
 from models.presets import SHAPE_PRESETS, LlamaConfig
 from tests.ties import assert_same_greedy
@@ -27,10 +26,11 @@ FORMATS = ("bf16", "fp8", "nvfp4", "2:4", "2:4+fp8")
 PROMPTS = ["The capital of France is", "Once upon a time there was", list(range(5, 40))]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _world_of_one(monkeypatch) -> None:
+    """The environment torchrun --nproc-per-node 1 gives its process: the distributed path, one rank."""
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(k, v)
 
 
 # ------------------------------------------------------------------------------ formats' shards
@@ -224,9 +224,7 @@ def test_world_size_one_under_torchrun_environment(monkeypatch):
     from engine import SamplingParams
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=5)
     ref, _ = _generate("llama-tiny", 1, params)
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(_free_port())}.items():
-        monkeypatch.setenv(k, v)
+    _world_of_one(monkeypatch)
     from engine import LLM
     llm = LLM("llama-tiny", device="cpu")
     try:
@@ -250,7 +248,7 @@ def test_torchrun_starts_the_ranks(tmp_path):
     """))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", str(_free_port()), str(script)],
+                          "--master-port", str(free_port()), str(script)],
                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("TOKENS")]
@@ -360,9 +358,7 @@ def test_nccl_world_size_one_captures_graphs_and_gives_the_same_tokens(fmt, monk
         ref_logits = plain.logits(list(range(100, 400)))
     finally:
         plain.shutdown()
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(_free_port())}.items():
-        monkeypatch.setenv(k, v)
+    _world_of_one(monkeypatch)
     llm = LLM("llama-3.2-1b", **kw)
     try:
         assert llm.engine.tp is not None and llm.engine.graphs is not None
@@ -451,9 +447,7 @@ def test_nccl_step_loop_steady_state_never_synchronises(monkeypatch):
     from engine.engine import Engine
     from engine.sampling import SamplingParams
     from tests.test_engine import steady_state_without_sync
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(_free_port())}.items():
-        monkeypatch.setenv(k, v)
+    _world_of_one(monkeypatch)
     engine = Engine(EngineConfig(model="llama-tiny", device="cuda", dtype="bf16", kv_cache_tokens=8192))
     try:
         assert engine.tp is not None and engine._driving and engine.graphs is not None
