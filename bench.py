@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from engine.config import LM_HEAD_FORMATS, EngineConfig, resolve_dtype
 from engine.engine import Engine
+from engine.kernels.platform import capture
 from engine.memory import allocator
 from engine.sampling import SamplingParams
 
@@ -220,7 +221,7 @@ def time_fn(fn, device, reps=20) -> float:
 
     def graph_of(body):
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        with capture(g):      # (Triton kernels under either allocator)
             for _ in range(reps):
                 body()
         return g
@@ -576,12 +577,8 @@ def engine_overrides(args, ap) -> dict:
         out["tensor_parallel_size"] = args.tensor_parallel_size
     if args.lm_head is not None:
         out["lm_head"] = args.lm_head
-    try:
-        graphs = allocator.resolve_cuda_graphs(args.allocator, False if args.no_cuda_graphs else None)
-    except ValueError as e:
-        ap.error(str(e))
-    if graphs is not None:
-        out["cuda_graphs"] = graphs
+    if args.no_cuda_graphs:
+        out["cuda_graphs"] = False
     return out
 
 

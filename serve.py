@@ -1024,12 +1024,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         if not value > 0:
             parser.error(f"{flag} must be a positive number of seconds")
     allocator.configure_from_args(args, parser)     # before CUDA starts; may restart the process
-    try:
-        graphs = allocator.resolve_cuda_graphs(args.allocator, getattr(args, "cuda_graphs", None))
-    except ValueError as e:
-        parser.error(str(e))
-    if graphs is not None:
-        args.cuda_graphs = graphs
     return args
 
 

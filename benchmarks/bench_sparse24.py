@@ -36,6 +36,7 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from engine.formats import sparse24 as s24  # noqa: E402
 from engine.formats.fp8 import quantize_act_fp8, quantize_rows_fp8  # noqa: E402
+from engine.kernels.platform import capture  # noqa: E402
 from engine.kernels.select import runnable, select  # noqa: E402
 from engine.kernels.swiglu import swiglu  # noqa: E402
 from engine.kernels.tuner import Tuner  # noqa: E402
@@ -61,7 +62,7 @@ def median_ms(fn, graph=False, rep=60):
             fn()
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        with capture(g):      # (Triton kernels under either allocator)
             fn()
         fn = g.replay
     return cold_ms(fn, rep)

@@ -20,6 +20,12 @@
     a host sync per step), and the engine (llama-3.2-1b shapes) on requests of random lengths, so
     the decode batch shrinks as requests finish, with CUDA graphs off and then on (whether capture
     works under each backend).
+(e) Two engines sharing one GPU, per allocator and release threshold: a first engine (llama-3.1-8b
+    shapes, a fixed 32k-token KV cache) prefills a burst of 8 x 2,048 tokens, synchronises and goes
+    idle; then a second engine starts in another process beside it. Measured: the device memory
+    the first holds once idle, what the second finds free and makes its KV cache of (85% of it),
+    its load time, and its first two steps (a 512-token prefill each: the first pays for every
+    allocation a step makes, the second finds them in its pool).
 
 Ceilings measured in the same run: pinned H2D and D2H copy bandwidth (1 GiB), HBM copy (2 GiB).
 It prints Markdown tables last and writes bench_streams.json and offload_timeline.png to --out.
@@ -36,6 +42,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -476,13 +483,100 @@ def bench_allocators(results, timeout):
     results["allocators"] = rows
 
 
+# ----------------------------------------------------------------------------- (e) two engines, one GPU
+
+def share_child(role, backend, release):
+    """One of the two engines of part (e), in a process started with PYTORCH_ALLOC_CONF set. 'first'
+    prints READY once idle and waits for its stdin to close; 'second' prints RESULT and exits."""
+    t_start = time.perf_counter()
+    from bench import random_prompt, run_to_completion
+    from engine.engine import Engine
+    from engine.memory import allocator
+    from engine.sampling import SamplingParams
+    allocator.configure_allocator(backend, release)
+    dev = torch.device("cuda")
+    allocator.apply_release(dev)
+    rng = random.Random(5 if role == "first" else 6)
+    free_at_start, total = torch.cuda.mem_get_info()
+    t = time.perf_counter()
+    engine = Engine(engine_config(model="llama-3.1-8b", device="cuda", seed=0, max_num_seqs=64,
+                                  kv_cache_tokens=32 * 1024 if role == "first" else None))
+    out = {"role": role, "backend": backend, "release": release, "load_s": time.perf_counter() - t,
+           "free_at_start_GB": free_at_start / 1e9, "total_GB": total / 1e9,
+           "kv_GB": 2 * engine.kv_cache.k.numel() * engine.kv_cache.k.element_size() / 1e9}
+    vocab = min(engine.model_config.vocab_size, 49152)
+
+    def serve(n, length, tag):
+        reqs = [(f"{tag}{i}", random_prompt(rng, length, vocab), SamplingParams(
+            max_tokens=1, temperature=0, ignore_eos=True, detokenize=False)) for i in range(n)]
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        run_to_completion(engine, reqs)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) * 1e3
+    if role == "first":
+        serve(8, 2048, "burst")
+        torch.cuda.synchronize()        # a shared pool gives back what it does not hold here
+        free, _ = torch.cuda.mem_get_info()
+        out["device_used_idle_GB"] = (total - free) / 1e9
+        out["reserved_idle_GB"] = (torch.cuda.memory_reserved() / 1e9 if backend == "native"
+                                   else _pool_reserved(dev))
+        print("READY " + json.dumps(out), flush=True)
+        sys.stdin.read()                # idle until part (e) has measured the second engine
+        return
+    out["first_step_ms"] = serve(1, 512, "a")
+    out["second_step_ms"] = serve(1, 512, "b")
+    out["process_s"] = time.perf_counter() - t_start
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def bench_sharing(results, timeout):
+    rows = []
+    for backend, release in (("native", "dedicated"), ("cudaMallocAsync", "dedicated"),
+                             ("cudaMallocAsync", "shared")):
+        env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+        env["PYTORCH_ALLOC_CONF"] = f"backend:{backend}"
+        cmd = [sys.executable, os.path.abspath(__file__), "--share-child"]
+        row = {"backend": backend, "release": release}
+        errors = tempfile.TemporaryFile("w+")     # a file, not a pipe: its log must never block it
+        first = subprocess.Popen(cmd + ["first", backend, release], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=errors, text=True, env=env, cwd=ROOT)
+        try:
+            for line in first.stdout:          # the first engine is idle once it says READY
+                if line.startswith("READY "):
+                    row["first"] = json.loads(line[6:])
+                    break
+            if "first" in row:
+                p = subprocess.run(cmd + ["second", backend, release], capture_output=True, text=True, env=env,
+                                   cwd=ROOT, timeout=timeout, check=False)
+                got = [json.loads(ln[7:]) for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+                row["second"] = got[0] if got else {"error": p.stderr[-2000:]}
+            else:
+                errors.seek(0)
+                row["first"] = {"error": errors.read()[-2000:]}
+        finally:
+            first.stdin.close()
+            first.wait(timeout=60)
+        f, g = row["first"], row.get("second", {})
+        if "error" in f or "error" in g:
+            log(f"[share] {backend} {release}: {f.get('error') or g.get('error')}")
+        else:
+            log(f"[share] {backend:15s} {release:9s} first idle: device {f['device_used_idle_GB']:.2f} GB, "
+                f"pool {f['reserved_idle_GB']:.2f} GB | second: free {g['free_at_start_GB']:.2f} GB, KV "
+                f"{g['kv_GB']:.2f} GB, load {g['load_s']:.1f} s, steps {g['first_step_ms']:.1f} / "
+                f"{g['second_step_ms']:.1f} ms")
+        rows.append(row)
+    results["sharing"] = rows
+
+
 # ----------------------------------------------------------------------------- main
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_streams"))
     ap.add_argument("--alloc-child", nargs=2, metavar=("BACKEND", "RELEASE"))
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: overlap,offload,alloc")
+    ap.add_argument("--share-child", nargs=3, metavar=("ROLE", "BACKEND", "RELEASE"))
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: overlap,offload,alloc,share")
     ap.add_argument("--steps", type=int, default=64, help="(a): timed decode steps per run")
     ap.add_argument("--offload-steps", type=int, default=12, help="(b): timed decode steps per run")
     ap.add_argument("--repeats", type=int, default=3, help="runs per (a) point; (b) takes 2")
@@ -494,6 +588,9 @@ def main():
     if args.alloc_child:
         alloc_child(*args.alloc_child)
         return
+    if args.share_child:
+        share_child(*args.share_child)
+        return
     os.makedirs(args.out, exist_ok=True)
     skip = set(args.skip.split(","))
     results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -501,6 +598,8 @@ def main():
     t_all = time.perf_counter()
     if "alloc" not in skip and not args.smoke:     # first: the children need the GPU to themselves
         bench_allocators(results, args.child_timeout)
+    if "share" not in skip and not args.smoke:
+        bench_sharing(results, args.child_timeout)
     device, big, small = ("cpu", "llama-tiny", "llama-tiny") if args.smoke else ("cuda", "llama-3.1-8b", "llama-3.2-1b")
     results["device"] = "cpu (smoke run)" if args.smoke else torch.cuda.get_device_name(0)
     results["torch"] = torch.__version__
@@ -581,6 +680,19 @@ def summary(r):
                         ("" if p["graphs_captured"] == p["cuda_graphs"] else " (capture failed: eager)"))
             log(f"| {x['backend']} | {x['release']} | {mlp} | {grow} | {eng(parts.get('engineFalse'))} | "
                 f"{eng(parts.get('engineTrue'))} |")
+    if r.get("sharing"):
+        log("\n(e) two engines on one GPU (llama-3.1-8b shapes each)")
+        log("| allocator | release | first engine idle: device used / pool GB | second: free at start GB | "
+            "its KV cache GB | load s | first / second step ms |")
+        log("| --- | --- | --- | ---: | ---: | ---: | --- |")
+        for x in r["sharing"]:
+            f, g = x["first"], x.get("second", {})
+            if "error" in f or "error" in g or not g:
+                log(f"| {x['backend']} | {x['release']} | failed | | | | |")
+                continue
+            log(f"| {x['backend']} | {x['release']} | {f['device_used_idle_GB']:.2f} / {f['reserved_idle_GB']:.2f} | "
+                f"{g['free_at_start_GB']:.2f} | {g['kv_GB']:.2f} | {g['load_s']:.1f} | "
+                f"{g['first_step_ms']:.1f} / {g['second_step_ms']:.1f} |")
     log(f"\nseconds: {r.get('seconds')}")
 
 

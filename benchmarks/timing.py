@@ -17,6 +17,8 @@ import statistics
 
 import torch
 
+from engine.kernels.platform import capture
+
 
 def time_graph(fn, args, replays: int = 15, min_calls: int = 20) -> float:
     """Median seconds per call of fn(a), a rotating over `args` (operand sets or copy indices, so
@@ -30,7 +32,7 @@ def time_graph(fn, args, replays: int = 15, min_calls: int = 20) -> float:
     torch.cuda.synchronize()
     rounds = max(1, math.ceil(min_calls / len(args)))
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capture(graph):      # (Triton kernels under either allocator)
         for _ in range(rounds):
             for a in args:
                 fn(a)

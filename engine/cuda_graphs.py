@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.batch import Batch
+from engine.kernels.platform import capture
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -45,14 +46,17 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         # Largest first, so smaller graphs reuse its memory pool.
+        dev = self.input_ids.device
         for b in sorted(self.buckets, reverse=True):
             batch = self._batch(b)
             for _ in range(2):   # warm up: Triton autotuning and lazy inits happen outside the graph
                 self.model.compute_logits(self.model(batch.input_ids, batch.positions, batch))
             torch.cuda.synchronize()
+            # The output lives outside the graph's memory: nothing the capture allocates outlives it.
+            self.logits[b] = torch.empty(b, self.model.config.vocab_size, dtype=torch.float32, device=dev)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[b] = self.model.compute_logits(self.model(batch.input_ids, batch.positions, batch))
+            with capture(graph, pool=self.pool):
+                self.model.compute_logits(self.model(batch.input_ids, batch.positions, batch), out=self.logits[b])
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[b] = graph

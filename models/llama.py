@@ -223,13 +223,13 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     @torch.inference_mode()
-    def compute_logits(self, hidden):
+    def compute_logits(self, hidden, out: torch.Tensor | None = None):
         """hidden [M, hidden] -> fp32 logits [M, vocab], through the LM head's weight format (with tp:
-        every rank's slice, gathered on every rank)."""
+        every rank's slice, gathered on every rank); into `out` [M, vocab] fp32 where given."""
         logits = hidden @ self.embed_tokens.weight.t() if self.lm_head is None else self.lm_head(hidden)
         if self.tp is not None:
             logits = self.tp.gather_vocab(logits, self.config.vocab_size)
-        return logits.float()
+        return logits.float() if out is None else out.copy_(logits)
 
     def set_lm_head(self, fmt: str) -> None:
         """Put the LM head in weight format `fmt` (bf16: the model dtype), once, on a model fresh from

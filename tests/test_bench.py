@@ -61,7 +61,8 @@ def test_bench_engine_wide_options(monkeypatch, capsys):
     ap.add_argument("--lm-head", default=None)
     allocator.add_arguments(ap)
     args = ap.parse_args(["--allocator", "cudaMallocAsync", "--offload", "--gpu-memory-limit", "12"])
-    assert bench.engine_overrides(args, ap) == {"offload": True, "gpu_memory_limit": 12.0, "cuda_graphs": False}
+    assert bench.engine_overrides(args, ap) == {"offload": True, "gpu_memory_limit": 12.0}   # graphs stay on
+    assert bench.engine_overrides(ap.parse_args(["--no-cuda-graphs"]), ap) == {"cuda_graphs": False}
     assert bench.engine_overrides(ap.parse_args([]), ap) == {}
     assert bench.engine_overrides(ap.parse_args(["--tune", "off"]), ap) == {"tune": "off"}
     assert bench.engine_overrides(ap.parse_args(["--tensor-parallel-size", "2"]), ap) == {"tensor_parallel_size": 2}

@@ -3,6 +3,7 @@ offload planner, the step's stream plumbing (fake streams on the CPU, CUDA strea
 sync-debug mode on the GPU), layer-weight streaming with every weight format, the allocator switch."""
 import dataclasses
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -481,3 +482,45 @@ def test_gpu_allocator_backend_is_cudamallocasync_when_requested():
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["cudaMallocAsync", "0", str(2 ** 64 - 1)]
+
+
+# Greedy tokens of 8 prompts whose outputs end at different lengths, so decode replays the graphs of
+# batch 8, 4, 2 and 1 (the first alone before them); fp32, so that only a near-tie can part two runs (tests/ties.py).
+_GRAPH_TOKENS = """
+import json, sys, torch
+from engine import LLM, SamplingParams
+torch.backends.cuda.matmul.allow_tf32 = False
+llm = LLM("llama-3.2-1b", device="cuda", dtype="fp32", kv_cache_tokens=16384, max_num_seqs=8, seed=0)
+graphs, replays = llm.engine.graphs, []
+run = graphs.run
+graphs.run = lambda batch: replays.append(batch.num_decodes) or run(batch)
+prompts = [list(range(7 + i, 7 + i + n)) for i, n in enumerate([1, 9, 33, 64, 100, 130, 257, 300])]
+params = [SamplingParams(max_tokens=4 + 6 * i, temperature=0, ignore_eos=True, logprobs=2) for i in range(8)]
+# One prompt alone first: decode replays the batch-1 graph before any step of batch 8 (whose capture
+# came first and made cuBLAS's workspace: engine/kernels/platform.capture).
+outs = llm.generate(prompts[:1], params[:1]) + llm.generate(prompts, params)
+llm.shutdown(timeout=1)
+print(json.dumps({"backend": torch.cuda.get_allocator_backend(), "replayed": sorted(set(replays)),
+                  "tokens": [o.token_ids for o in outs], "top": [[lp.top for lp in o.logprobs] for o in outs]}))
+"""
+
+
+def _graph_tokens(backend: str) -> dict:
+    env = dict(os.environ, PYTORCH_ALLOC_CONF=f"backend:{backend}")
+    out = subprocess.run([sys.executable, "-c", _GRAPH_TOKENS], capture_output=True, text=True, env=env,
+                         check=False, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.gpu
+def test_gpu_cudamallocasync_with_graphs_gives_the_native_tokens():
+    """The stream-ordered allocator with CUDA-graph decode (engine/kernels/platform.capture): every
+    graph captures and replays, and the tokens are the native allocator's."""
+    from ties import parting
+    got, want = _graph_tokens("cudaMallocAsync"), _graph_tokens("native")
+    assert (got["backend"], want["backend"]) == ("cudaMallocAsync", "native")
+    assert got["replayed"] == want["replayed"] and {1, 2, 4, 8} <= set(got["replayed"])
+    assert len(got["tokens"]) == len(want["tokens"]) == 9
+    for tokens, reference, top in zip(got["tokens"], want["tokens"], want["top"]):
+        parting(tokens, reference, top)

@@ -8,6 +8,8 @@ library questions for every kernel and every selection.
 - `triton_runs(t)`: whether Triton kernels can serve tensor t (CUDA, or the interpreter).
 - `jit(fn)`: triton.jit where Triton is installed, else fn unchanged, so a module of kernels imports
   on a machine without Triton and its references still run.
+- `capture(graph, pool)`: torch.cuda.graph for graphs that launch Triton kernels, under either of
+  torch's allocators (see its docstring for what cudaMallocAsync needs).
 """
 from __future__ import annotations
 
@@ -119,3 +121,38 @@ def device_name(device: torch.device) -> str:
 @functools.cache
 def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
+
+
+@contextlib.contextmanager
+def capture(graph: "torch.cuda.CUDAGraph", pool=None):
+    """torch.cuda.graph(graph, pool=pool), made safe for Triton kernels under cudaMallocAsync.
+
+    Under torch's cudaMallocAsync backend, what a capture allocates becomes a graph memory node: its
+    address is reserved at capture but mapped only when the graph first runs. Two things follow:
+    - Triton's launcher checks every tensor argument with cuPointerGetAttribute, which refuses such
+      an address ("Pointer argument cannot be accessed from Triton"), while an integer address it
+      passes through unchecked. So during the capture, Triton tensor arguments go to the launcher as
+      their data_ptr(); the kernel receives the same address either way.
+    - A capture may allocate memory that outlives it without the caller knowing: cuBLAS's workspace
+      for the capture stream is one, and later graphs use it. So the graph runs once as soon as it
+      is captured, which maps that memory for good.
+    Give a graph its outputs from outside: a tensor the capture allocates and the caller keeps is
+    the graph's memory, and freeing it outside the graph draws a warning from torch.
+    """
+    if torch.cuda.get_allocator_backend() != "cudaMallocAsync" or triton is None:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+        return
+    from triton.backends.nvidia.driver import CudaLauncher
+    launch = CudaLauncher.__call__
+
+    def launch_by_address(self, *args, **kwargs):
+        return launch(self, *(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args), **kwargs)
+
+    CudaLauncher.__call__ = launch_by_address
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    finally:
+        CudaLauncher.__call__ = launch
+    graph.replay()

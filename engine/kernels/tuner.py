@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from engine.kernels.platform import device_name, library_versions
+from engine.kernels.platform import capture, device_name, library_versions
 from engine.kernels.select import Problem, m_bucket
 
 log = logging.getLogger("microengine.kernels")
@@ -46,7 +46,7 @@ def graph_time_ms(fn: Callable[[], object]) -> float:
         fn()  # compile and allocate outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with capture(graph):
             fn()
         return do_bench(graph.replay, warmup=5, rep=20, return_mode="median")
     except Exception:  # not capturable here: time it eagerly

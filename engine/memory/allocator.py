@@ -15,7 +15,6 @@ a CUDA attribute, set through cuda-bindings once torch has initialised the pool:
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
@@ -26,15 +25,11 @@ RELEASES = ("dedicated", "shared")
 # with CUDA graphs on native ran 4.3x the best cudaMallocAsync engine, which must run eagerly:
 DEFAULT_BACKEND = "native"
 DEFAULT_RELEASE = "dedicated"
-GRAPHS_CONFLICT = ("with CUDA graphs the cudaMallocAsync backend aborts the process on torch 2.11 "
-                   "('Attempting uncaptured free of a captured allocation', then 'CUDA error: "
-                   "invalid argument')")
 ENV = "PYTORCH_ALLOC_CONF"
 UINT64_MAX = 2 ** 64 - 1
 REEXEC_MARK = "MICROENGINE_ALLOCATOR_REEXEC"
 
 _release = "dedicated"      # what configure_allocator chose; apply_release puts it on the device
-log = logging.getLogger("microengine.allocator")
 
 
 def configure_allocator(backend: str, release: str, reexec: bool = False) -> None:
@@ -147,8 +142,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("device memory")
     group.add_argument("--allocator", choices=BACKENDS, default=DEFAULT_BACKEND,
                        help="torch's device allocator: 'native' (the caching allocator over "
-                            "cudaMalloc) or 'cudaMallocAsync' (the driver's stream-ordered pool; "
-                            "turns CUDA-graph decode steps off, see BENCHMARKS.md) "
+                            "cudaMalloc) or 'cudaMallocAsync' (the driver's stream-ordered pool) "
                             "(default: %(default)s)")
     group.add_argument("--memory-release", choices=RELEASES, default=DEFAULT_RELEASE,
                        help="cudaMallocAsync only: 'dedicated' keeps freed memory in the pool (the "
@@ -166,17 +160,3 @@ def configure_from_args(args, parser: argparse.ArgumentParser | None = None) -> 
         if parser is None:
             raise
         parser.error(str(e))
-
-
-def resolve_cuda_graphs(backend: str, requested: bool | None) -> bool | None:
-    """The cuda_graphs setting to use under `backend`. Under cudaMallocAsync, graphs asked for
-    explicitly (True) are an error naming the conflict; left to the default (None) they are turned
-    off with a warning. Under the native allocator `requested` is returned unchanged."""
-    if backend != "cudaMallocAsync" or requested is False:
-        return requested
-    if requested:
-        raise ValueError(f"--cuda-graphs with --allocator cudaMallocAsync: {GRAPHS_CONFLICT}; "
-                         "use --no-cuda-graphs, or the native allocator")
-    log.warning("--allocator cudaMallocAsync: CUDA-graph decode steps are off (%s); "
-                "decode steps launch their kernels one by one", GRAPHS_CONFLICT)
-    return False
