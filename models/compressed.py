@@ -7,8 +7,8 @@ Contract:
   it is stored in ("bf16", "fp8", "nvfp4", "2:4", "2:4+fp8"); None when the config has no
   `quantization_config`. Anything the engine cannot run as stored (another quant_method, int / group /
   asymmetric schemes, static or non-per-token FP8 activations, a quantised embedding or LM head, a
-  quantised KV cache, transforms, the bitmask-compressed 2:4 layout) raises ModelLoadError naming the
-  scheme or field: a config is never silently dropped.
+  quantised KV cache, transforms, other sparsity formats) raises ModelLoadError naming the scheme or
+  field: a config is never silently dropped.
 - `model_for(cfg, fmt, device, dtype)` builds the model a checkpoint loads into without allocating a
   dense weight for any Linear the checkpoint stores in another format.
 - `build_backend(kind, parts, dtype, device, where)` builds the backend of one engine Linear from the
@@ -28,6 +28,12 @@ Mapping, per kind:
   are refused (llm-compressor gives fused projections one global scale). Run as W4A16.
 - 2:4 (sparsity_config with structure 2:4 and format "dense"): the dense stored tensor, checked to be
   2:4 and compressed exactly (compress_24); with fp8 the e4m3 values are compressed the same way.
+- 2:4 in format "sparse-24-bitmask" (what compressed-tensors <= 0.14 wrote; later versions read it no
+  more): `weight` is stored as `shape` [[N], [K]], `compressed` [N, K/2] (the kept values in row order,
+  e4m3 with fp8) and `bitmask` uint8 [N, K/8] (their positions, 2 of every 4, packed as compressed-
+  tensors' pack_bitmasks packs them). The dense tensor is rebuilt with compressed-tensors'
+  unpack_bitmasks and then takes the dense form's path, so the values are the stored ones, bit for bit
+  (a pruned position comes back as +0: the layout keeps no zero's sign).
 """
 from __future__ import annotations
 
@@ -50,6 +56,8 @@ STORED_TENSORS = {
     "fp8": ("weight", "weight_scale"), "2:4+fp8": ("weight", "weight_scale"),
     "nvfp4": ("weight_packed", "weight_scale", "weight_global_scale"),
 }
+# What the sparse-24-bitmask layout stores in place of a 2:4 projection's `weight`.
+BITMASK_TENSORS = ("shape", "compressed", "bitmask")
 
 
 def _error(msg: str):
@@ -58,14 +66,23 @@ def _error(msg: str):
 
 
 class CheckpointFormat:
-    """What a compressed-tensors checkpoint stores: {HF projection name: kind}, and the engine formats
-    that `--weights` / `--sparse-ffn` then stand for."""
+    """What a compressed-tensors checkpoint stores: {HF projection name: kind}, whether its 2:4
+    projections are in the sparse-24-bitmask layout, and the engine formats that `--weights` /
+    `--sparse-ffn` then stand for."""
 
-    def __init__(self, kinds: dict[str, str]):
+    def __init__(self, kinds: dict[str, str], bitmask: bool = False):
         self.kinds = kinds
+        self.bitmask = bitmask
 
     def kind(self, hf_name: str) -> str:
         return self.kinds[hf_name]
+
+    def tensors(self, hf_name: str) -> tuple[str, ...]:
+        """The local names of the tensors the checkpoint stores for a projection."""
+        kind = self.kinds[hf_name]
+        if self.bitmask and kind.startswith("2:4"):
+            return BITMASK_TENSORS + tuple(t for t in STORED_TENSORS[kind] if t != "weight")
+        return STORED_TENSORS[kind]
 
     @property
     def weights(self) -> str:
@@ -161,10 +178,10 @@ def checkpoint_format(hf: dict, path: str, num_layers: int) -> CheckpointFormat 
         if sparsity.sparsity_structure != "2:4":
             raise _error(f"{where}: quantization_config.sparsity_config.sparsity_structure "
                          f"{sparsity.sparsity_structure!r} is not supported (only 2:4)")
-        if sparsity.format != "dense":
+        if sparsity.format not in ("dense", "sparse-24-bitmask"):
             raise _error(f"{where}: quantization_config.sparsity_config.format {sparsity.format!r} is not "
-                         "supported (2:4 weights load from dense tensors: compressed-tensors has had no "
-                         "decompressor for the bitmask layouts since 0.15)")
+                         "supported (2:4 weights load from the dense and sparse-24-bitmask formats)")
+    bitmask = sparsity is not None and sparsity.format == "sparse-24-bitmask"
 
     linear, embedding = torch.nn.Linear(1, 1, device="meta"), torch.nn.Embedding(1, 1, device="meta")
 
@@ -176,6 +193,9 @@ def checkpoint_format(hf: dict, path: str, num_layers: int) -> CheckpointFormat 
         if groups_of(name, module):
             raise _error(f"{where}: {name} is quantised ({', '.join(groups_of(name, module))}); "
                          "only decoder projections load quantised (add it to `ignore`)")
+    if bitmask and is_match("lm_head", linear, sparsity.targets, sparsity.ignore or []):
+        raise _error(f"{where}: lm_head is stored in the sparse-24-bitmask format; only decoder projections "
+                     "load 2:4 (add it to the sparsity_config's `ignore`)")
     kinds = {}
     for i in range(num_layers):
         for parts in FUSED_PROJECTIONS.values():
@@ -193,7 +213,7 @@ def checkpoint_format(hf: dict, path: str, num_layers: int) -> CheckpointFormat 
                         raise _error(f"{where}: {name} is NVFP4 and 2:4-sparse: not supported together")
                     kind = "2:4+fp8" if kind == "fp8" else "2:4"
                 kinds[name] = kind
-    return CheckpointFormat(kinds)
+    return CheckpointFormat(kinds, bitmask)
 
 
 def fused_kind(fmt: CheckpointFormat, layer: int, fused: str) -> str:
@@ -249,10 +269,37 @@ def _compress_2_4(w: torch.Tensor, what: str):
     return Sparse24Tensor(t.values.to(w.dtype), t.meta, t.shape)
 
 
+def _from_bitmask(p: dict[str, torch.Tensor], n: str, kind: str, in_features: int) -> dict[str, torch.Tensor]:
+    """A projection's sparse-24-bitmask tensors as the dense form's: `weight` rebuilt (the kept values
+    at the bitmask's positions, zeros elsewhere, as compressed-tensors decompressed it); weight_scale as
+    stored."""
+    from compressed_tensors.utils import unpack_bitmasks
+    p = dict(p)
+    shape, values, bitmask = (p.pop(t) for t in BITMASK_TENSORS)
+    if shape.is_floating_point() or shape.numel() != 2 or shape.flatten()[1] != in_features:
+        raise _error(f"{n}.shape: {shape.flatten().tolist()}, the config.json shapes say [N, {in_features}]")
+    rows, fp8 = int(shape.flatten()[0]), kind == "2:4+fp8"
+    if not values.is_floating_point() or (values.dtype == torch.float8_e4m3fn) != fp8:
+        raise _error(f"{n}.compressed: stored as {values.dtype}, the config says "
+                     f"{'FP8' if fp8 else 'unquantised'} 2:4 weights")
+    _checked(values, values.dtype, (rows, in_features // 2), f"{n}.compressed")
+    _checked(bitmask, torch.uint8, (rows, (in_features + 7) // 8), f"{n}.bitmask")
+    mask = unpack_bitmasks(bitmask, [rows, in_features])
+    # compressed-tensors marks exactly 2 of every 4 (a zero too where fewer are nonzero): K/2 per row.
+    if in_features % 4 or not (mask.reshape(rows, -1, 4).sum(-1) == 2).all():
+        raise _error(f"{n}.bitmask: does not mark 2 of every 4 weights along K (not a 2:4 bitmask)")
+    p["weight"] = torch.zeros(rows, in_features, dtype=values.dtype)
+    p["weight"][mask] = values.flatten()
+    return p
+
+
 def build_backend(kind: str, parts: list[dict[str, torch.Tensor]], names: list[str], in_features: int,
-                  dtype: torch.dtype, device):
+                  dtype: torch.dtype, device, bitmask: bool = False):
     """The engine backend of one Linear from its parts' stored tensors ({local name: tensor}, rows in
-    order). `names`: the parts' checkpoint names, for messages."""
+    order). `names`: the parts' checkpoint names, for messages. bitmask: the checkpoint's 2:4
+    projections are in the sparse-24-bitmask format."""
+    if bitmask and kind.startswith("2:4"):
+        parts = [_from_bitmask(p, n, kind, in_features) for p, n in zip(parts, names)]
     if kind == "fp8" or kind == "2:4+fp8":
         qweight = torch.cat([_checked(p["weight"], torch.float8_e4m3fn, (p["weight"].shape[0], in_features),
                                       f"{n}.weight") for p, n in zip(parts, names)])

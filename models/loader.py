@@ -295,7 +295,7 @@ def load_hf_dir(path: str, device, dtype, tp=None) -> LoadedModel:
                     for key in f.keys():
                         module, _, local = key.rpartition(".")
                         if module in stored_parts:
-                            if local not in compressed.STORED_TENSORS[stored.kind(module)]:
+                            if local not in stored.tensors(module):
                                 raise ModelLoadError(f"{fpath}: {key} does not belong to the "
                                                      f"{stored.kind(module)} weight the quantization_config "
                                                      "gives this layer")
@@ -319,8 +319,7 @@ def load_hf_dir(path: str, device, dtype, tp=None) -> LoadedModel:
                 raise ModelLoadError(f"{fpath}: corrupt or truncated safetensors file "
                                      f"({type(e).__name__}: {e})") from e
     missing = sorted(set(targets) - seen) + sorted(
-        f"{m}.{t}" for m, have in stored_parts.items() for t in compressed.STORED_TENSORS[stored.kind(m)]
-        if t not in have)
+        f"{m}.{t}" for m, have in stored_parts.items() for t in stored.tensors(m) if t not in have)
     if missing:
         raise ModelLoadError(f"{path}: {len(missing)} weights missing, e.g. {missing[0]}")
     if stored is not None:
@@ -348,7 +347,7 @@ def _fill_stored_backends(model, stored, stored_parts, dtype, device) -> None:
             linear = layer.get_submodule(fused)
             names = [f"model.layers.{i}.{p}" for p in parts]
             backend = compressed.build_backend(kind, [stored_parts.pop(n) for n in names], names,
-                                               linear.full_shape[1], dtype, device)
+                                               linear.full_shape[1], dtype, device, stored.bitmask)
             if backend.out_features != linear.full_shape[0]:
                 raise ModelLoadError(f"{', '.join(names)}: {backend.out_features} rows in all, "
                                      f"the config.json shapes say {linear.full_shape[0]}")

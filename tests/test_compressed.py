@@ -2,6 +2,7 @@
 itself from a tiny random Llama; the engine's weights equal compressed-tensors' own decompression bit
 for bit, logits match transformers reading the same checkpoint, and what cannot run is refused."""
 import json
+import shutil
 
 import pytest
 import torch
@@ -73,6 +74,34 @@ def _save(model, path, preset=None, tensor_scales=False, sparse=False):
     embedded_tokenizer().save_pretrained(path)
 
 
+def _bitmask_24(w):
+    """compressed-tensors <= 0.14's Sparse24BitMaskCompressor (sparse24_bitmask_compress; 0.15 dropped
+    it): of each 4 consecutive weights the 2 largest |w| are kept (e4m3 ranked by its bytes read as
+    int8, as it did), their values in row order and their positions packed by pack_bitmasks."""
+    from compressed_tensors.utils import pack_bitmasks
+    fp8 = w.dtype == torch.float8_e4m3fn
+    top2 = (w.view(torch.int8) if fp8 else w).reshape(-1, 4).abs().topk(2, dim=1).indices
+    mask = torch.zeros(w.numel() // 4, 4, dtype=torch.bool).scatter_(1, top2, True).reshape(w.shape)
+    values = w.view(torch.int8)[mask].view(w.dtype) if fp8 else w[mask]
+    return {"shape": torch.tensor(list(w.shape)).reshape(-1, 1), "compressed": values.reshape(w.shape[0], -1),
+            "bitmask": pack_bitmasks(mask)}
+
+
+def _bitmask_copy(src, dst):
+    """The dense-form 2:4 checkpoint `src` in the sparse-24-bitmask format: its FFN weights (the
+    sparsity_config's targets) compressed, weight_scale as stored, and the config compressed-tensors'
+    Sparse24BitMaskConfig writes."""
+    from compressed_tensors.config import Sparse24BitMaskConfig
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    sd = load_file(str(dst / "model.safetensors"))
+    for key in [k for k in sd if ".mlp." in k and k.endswith(".weight")]:
+        sd.update({f"{key.removesuffix('.weight')}.{t}": v for t, v in _bitmask_24(sd.pop(key)).items()})
+    save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = Sparse24BitMaskConfig(targets=["re:.*mlp.*"], ignore=["lm_head"], global_sparsity=0.5)
+    _edit_config(dst, lambda c: c["quantization_config"].update(sparsity_config=config.model_dump()))
+
+
 def _fused_global_scale(model, module, generate_gparam):
     """One NVFP4 global scale for q, k, v (and for gate, up): the smallest of theirs, as llm-compressor
     fuses them (vLLM, like this engine, runs each fused projection with one)."""
@@ -98,8 +127,9 @@ def _ct_decompressed(path):
     from compressed_tensors.quantization import QuantizationConfig
     from compressed_tensors.quantization.lifecycle.forward import dequantize
     from safetensors.torch import load_file
-    qc = QuantizationConfig.model_validate(json.loads((path / "config.json").read_text())["quantization_config"])
-    args = next(iter(qc.config_groups.values())).weights
+    qc = QuantizationConfig.model_validate(
+        {"config_groups": {}, **json.loads((path / "config.json").read_text())["quantization_config"]})
+    args = next((g.weights for g in qc.config_groups.values()), None)
     sd = load_file(str(path / "model.safetensors"))
     out = {}
     for key in sd:
@@ -113,6 +143,27 @@ def _ct_decompressed(path):
             scale = sd[key].float()
             out[module] = dequantize(sd[module + ".weight"].float(), scale, args=args, dtype=torch.float32)
     return out
+
+
+def _dense_copy(src, dst, only=None):
+    """`src` with its quantised projections as compressed-tensors' decompressed weights (fp32) and no
+    quantization_config; or, `only` given, those whose names hold it, then in the config's `ignore`
+    (the sparsity_config dropped)."""
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    decompressed = {m: w for m, w in _ct_decompressed(src).items() if only is None or only in m}
+    sd = {k: v for k, v in load_file(str(src / "model.safetensors")).items()
+          if k.rsplit(".", 1)[0] not in decompressed}
+    sd.update({m + ".weight": w for m, w in decompressed.items()})
+    save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
+
+    def edit(c):
+        if only is None:
+            return c.pop("quantization_config")
+        q = c["quantization_config"]
+        q.pop("sparsity_config")
+        q["ignore"] = q.get("ignore", []) + sorted(decompressed)
+    _edit_config(dst, edit)
 
 
 def _engine_weights(model, fused, layer):
@@ -174,19 +225,9 @@ def test_nvfp4_checkpoint_loads_as_stored(tmp_path):
     assert torch.equal(o.block_scale.view(torch.uint8), sd["model.layers.0.self_attn.o_proj.weight_scale"].view(torch.uint8))
     # transformers' NVFP4 decompression on the CPU hands back bf16 weights that its fp32 model cannot
     # multiply: the reference is compressed-tensors' decompressed weights run as a dense checkpoint.
-    from safetensors.torch import save_file
-
     from engine import LLM
-    dense_dir = tmp_path / "dense"
-    dense_dir.mkdir()
-    dense = {k: v for k, v in sd.items() if k.rsplit(".", 1)[0] not in _ct_decompressed(tmp_path)}
-    dense.update({m + ".weight": w for m, w in _ct_decompressed(tmp_path).items()})
-    save_file(dense, str(dense_dir / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    del cfg["quantization_config"]
-    (dense_dir / "config.json").write_text(json.dumps(cfg))
-    from models.loader import embedded_tokenizer
-    embedded_tokenizer().save_pretrained(dense_dir)
+    dense_dir = tmp_path.parent / (tmp_path.name + "-dense")
+    _dense_copy(tmp_path, dense_dir)
     ours, ref = LLM(str(tmp_path), device="cpu", dtype="fp32"), LLM(str(dense_dir), device="cpu", dtype="fp32")
     try:
         assert ours.engine.model.layers[0].mlp.down_proj.backend.name == "nvfp4"
@@ -219,6 +260,72 @@ def test_sparse_24_checkpoints(tmp_path):
     ref = _ct_decompressed(tmp_path / "fp8")
     down = loaded.model.layers[0].mlp.down_proj.backend
     assert torch.equal(down.dequantize(), ref["model.layers.0.mlp.down_proj"])
+
+
+@pytest.mark.parametrize("preset", [None, "FP8_DYNAMIC"], ids=["2:4", "2:4+fp8"])
+def test_sparse_24_bitmask_checkpoints(tmp_path, preset):
+    """The sparse-24-bitmask format loads into the backends its dense form gives (values, metadata,
+    scales), and the model computes what it computes with compressed-tensors' decompression of its FFN
+    weights as dense weights (on the CPU the 2:4 + FP8 kernel takes unquantised activations)."""
+    from engine import LLM
+    from models.loader import load_model
+    model = _tiny_llama()
+    _prune_ffn_24(model)
+    _save(model, tmp_path / "dense", preset, sparse=True)
+    _bitmask_copy(tmp_path / "dense", tmp_path / "bitmask")
+    _dense_copy(tmp_path / "dense", tmp_path / "ref", only=".mlp.")
+    ours = load_model(str(tmp_path / "bitmask"), CPU, torch.float32)
+    dense_form = load_model(str(tmp_path / "dense"), CPU, torch.float32)
+    sparse = "2:4+fp8" if preset else "2:4"
+    assert {lin.backend.name for name, lin in ours.model.linear_layers() if ".mlp." in name} == {sparse}
+    assert ours.checkpoint.describe() == dense_form.checkpoint.describe()
+    a, b = ours.model.state_dict(), dense_form.model.state_dict()
+    assert a.keys() == b.keys() and any(k.endswith("down_proj.backend.meta") for k in a)
+    for k in a:     # e4m3 compared as numbers: the bitmask format keeps no zero's sign
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k].float(), b[k].float()), k
+    ids = torch.randint(0, 49152, (40,)).tolist()
+    llm = LLM(str(tmp_path / "bitmask"), device="cpu", dtype="fp32")
+    ref = LLM(str(tmp_path / "ref"), device="cpu", dtype="fp32")
+    try:
+        assert ref.engine.model.layers[0].mlp.down_proj.backend.name == "bf16"
+        assert ref.engine.model.layers[0].self_attn.o_proj.backend.name == ("fp8" if preset else "bf16")
+        got, expected = llm.logits(ids), ref.logits(ids)
+        assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+    finally:
+        llm.shutdown(timeout=1)
+        ref.shutdown(timeout=1)
+
+
+def test_corrupt_bitmask_checkpoints_are_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from models.loader import ModelLoadError, load_model
+    model = _tiny_llama()
+    _prune_ffn_24(model)
+    _save(model, tmp_path / "dense", sparse=True)
+    ckpt = tmp_path / "bitmask"
+    _bitmask_copy(tmp_path / "dense", ckpt)
+    original = load_file(str(ckpt / "model.safetensors"))
+    down = "model.layers.1.mlp.down_proj"
+
+    def refused(edit, match):
+        sd = dict(original)
+        edit(sd)
+        save_file({k: v.contiguous() for k, v in sd.items()}, str(ckpt / "model.safetensors"),
+                  metadata={"format": "pt"})
+        with pytest.raises(ModelLoadError, match=match):
+            load_model(str(ckpt), CPU, torch.float32)
+
+    def three_in_a_group(sd):       # as many kept weights in the row, 3 of them in one group of 4
+        sd[down + ".bitmask"] = sd[down + ".bitmask"].clone()
+        sd[down + ".bitmask"][5, 3] = 0b0111_0001
+    refused(three_in_a_group, rf"{down}\.bitmask: does not mark 2 of every 4 weights along K")
+    refused(lambda sd: sd.update({down + ".bitmask": sd[down + ".bitmask"][:, :-1]}),
+            rf"{down}\.bitmask: stored as torch.uint8 \(96, 23\), the config says torch.uint8 \(96, 24\)")
+    refused(lambda sd: sd.update({down + ".shape": torch.tensor([[96], [200]])}), rf"{down}\.shape: \[96, 200\]")
+    refused(lambda sd: sd.update({down + ".compressed": sd[down + ".compressed"][:, :-2]}),
+            rf"{down}\.compressed: stored as torch.float32 \(96, 94\)")
+    refused(lambda sd: sd.pop(down + ".bitmask"), rf"1 weights missing, e.g. {down}\.bitmask")
 
 
 def test_engine_formats_follow_the_checkpoint(tmp_path):
@@ -257,8 +364,11 @@ def test_unusable_checkpoints_are_refused(tmp_path):
     refused(lambda q: q["quantization_config"].update(quant_method="gptq"), "quant_method 'gptq'")
     refused(lambda q: q["quantization_config"].update(ignore=[]), "lm_head is quantised")
     refused(lambda q: q["quantization_config"].update(
+        sparsity_config={"format": "sparse-bitmask", "sparsity_structure": "2:4", "targets": ["Linear"]}),
+        "sparsity_config.format 'sparse-bitmask'")
+    refused(lambda q: q["quantization_config"].update(
         sparsity_config={"format": "sparse-24-bitmask", "sparsity_structure": "2:4", "targets": ["Linear"]}),
-        "sparsity_config.format 'sparse-24-bitmask'")
+        "lm_head is stored in the sparse-24-bitmask format")
     # A config that contradicts the tensors: NVFP4 said, FP8 stored.
     refused(lambda q: group(q).update(weights={"num_bits": 4, "type": "float", "strategy": "tensor_group",
                                                "group_size": 16, "symmetric": True},
