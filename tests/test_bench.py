@@ -94,3 +94,48 @@ def test_compiled_peer_runs_on_the_cpu(capsys):
     assert set(results) == {1, 4} and all(tok_s > 0 and ms > 0 for tok_s, ms in results.values())
     out = capsys.readouterr().out
     assert "llama-tiny" in out and "tok/s" in out and "ms/step" in out
+
+
+def test_loadgen_counts_tokens_not_events(monkeypatch):
+    """benchmarks/loadgen.py on a canned stream, on a clock the stream moves: 5 tokens in 3 events
+    with text (tokens 2 and 3 add none, so the server sends no event for them). TTFT and the gaps are
+    per event; the time per output token is per token, from the usage event's count."""
+    import asyncio
+    import importlib.util
+    import json
+    import pathlib
+    import sys
+    import types
+
+    import httpx
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "loadgen.py"
+    spec = importlib.util.spec_from_file_location("loadgen", path)
+    loadgen = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "loadgen", loadgen)
+    spec.loader.exec_module(loadgen)
+    now = [0.0]
+    monkeypatch.setattr(loadgen, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+
+    def event(at, text, finish=None, usage=None):
+        payload = {"choices": [{"text": text, "finish_reason": finish}], "usage": usage}
+        return at, f"data: {json.dumps(payload)}\n\n"
+
+    events = [event(0.10, "a"), event(0.13, "b"), event(0.14, "c"), event(0.14, "", "length"),
+              event(0.14, "", usage={"prompt_tokens": 7, "completion_tokens": 5}), (0.14, "data: [DONE]\n\n")]
+
+    async def body():
+        for at, text in events:
+            now[0] = at
+            yield text.encode()
+
+    async def run():
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body()))
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8000") as http:
+            job = loadgen.Job(url="", headers={}, model="m", clients=1, requests=1, deadline=0.0, max_tokens=5,
+                              prompt_words=4, temperature=0.0, seed=0, timeout=10.0)
+            return await loadgen.one_request(http, job, "prompt")
+
+    rec = asyncio.run(run())
+    assert rec.ok and (rec.chunks, rec.completion_tokens) == (3, 5)
+    assert rec.ttft == pytest.approx(0.10) and rec.gaps == pytest.approx([0.03, 0.01])
+    assert loadgen.tpot(rec) == pytest.approx(0.01)     # (0.14 - 0.10) / (5 - 1)

@@ -400,7 +400,8 @@ def test_gpu_model_larger_than_the_memory_limit_loads_and_runs_within_it():
 
 def test_engine_reads_each_steps_tokens_after_queuing_the_next():
     """The engine's own step loop on logging fake streams: step N+1's upload and compute are queued
-    before the host waits for step N's tokens, and that wait is the host's only one."""
+    before the host waits for step N's tokens, that wait is the host's only one, and step N's token
+    reaches the request's sink right after it, before step N+2 is queued: one token per step."""
     from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.memory.host_ring import PinnedRing
@@ -409,8 +410,13 @@ def test_engine_reads_each_steps_tokens_after_queuing_the_next():
     s = engine.streams = FakeStreams()
     engine.ring, engine.readback = PinnedRing(3, 1 << 12, s), TokenReadback(s, num_slots=2)
     out = []
+
+    def sink(chunk):
+        out.append(chunk)
+        s.log.append(("sink", chunk.completion_tokens))
+
     engine.add_request("a", list(range(10, 40)), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
-                       out.append)
+                       sink)
     while engine.has_work():
         s.log.append(("step",))
         engine.step()
@@ -424,6 +430,8 @@ def test_engine_reads_each_steps_tokens_after_queuing_the_next():
         assert part[wait] == ("host_wait", f"d2h{(n - 1) % 2}")
         assert ("copy", "h2d", f"inputs{n % 3}") in part[:wait]      # step n's inputs went up first
         assert ("copy", "d2h", f"tokens{n}") in part[:wait]          # and its tokens were sent
+        sinks = [e for e in part if e[0] == "sink"]
+        assert sinks == [("sink", n)] and part.index(sinks[0]) > wait   # step n - 1's token, once read
 
 
 @pytest.mark.gpu

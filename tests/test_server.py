@@ -83,6 +83,20 @@ def test_completion_matches_generate(server, reference):
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(ref.prompt_token_ids), len(ref.token_ids))
 
 
+def test_each_token_streams_in_its_own_event(server, reference):
+    """Nothing between the engine and the client gathers tokens: a streamed completion arrives as one
+    event per engine chunk, each chunk one token (every token of this completion adds text)."""
+    chunks = list(reference.stream(COMPLETION_PROMPT, SamplingParams(**GREEDY)))
+    assert all(len(c.token_ids) == 1 and c.text for c in chunks)
+    texts, usage = [], None
+    for event in client(server).completions.create(model=MODEL, prompt=COMPLETION_PROMPT, stream=True,
+                                                   stream_options={"include_usage": True}, **GREEDY):
+        usage = event.usage or usage
+        texts += [ch.text for ch in event.choices if ch.text]
+    assert texts == [c.text for c in chunks]
+    assert usage.completion_tokens == len(texts)
+
+
 def test_chat_matches_chat(server, reference):
     ref = reference.chat(CHAT, SamplingParams(**GREEDY))
     c = client(server)
