@@ -20,9 +20,9 @@ import sys
 
 BACKENDS = ("native", "cudaMallocAsync")
 RELEASES = ("dedicated", "shared")
-# The command-line default: what won benchmarks/bench_streams.py end to end (BENCHMARKS.md,
-# "Streams and host memory", H200, 2026-11-22): per step the two backends were even, but the engine
-# with CUDA graphs on native ran 4.3x the best cudaMallocAsync engine, which must run eagerly:
+# The command-line default. With CUDA graphs on both backends decode, prefill and serve at the same
+# speed (BENCHMARKS.md, allocators); native needs no restart of the process to be chosen, and
+# cudaMallocAsync's gain, the shared release threshold, is for a GPU shared with other processes.
 DEFAULT_BACKEND = "native"
 DEFAULT_RELEASE = "dedicated"
 ENV = "PYTORCH_ALLOC_CONF"
