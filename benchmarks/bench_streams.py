@@ -444,13 +444,20 @@ def _pool_reserved(dev):
     return int(value) / 1e9
 
 
+ALLOCATORS = (("native", "dedicated"), ("cudaMallocAsync", "dedicated"), ("cudaMallocAsync", "shared"))
+
+
+def child_env(backend):
+    """The environment of a child process on `backend`: torch reads the variable when it loads."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    env["PYTORCH_ALLOC_CONF"] = f"backend:{backend}"
+    return env
+
+
 def bench_allocators(results, timeout):
     rows = []
-    for backend, release in (("native", "dedicated"), ("cudaMallocAsync", "dedicated"),
-                             ("cudaMallocAsync", "shared")):
-        # torch reads the variable when it loads: the child starts with it set
-        env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
-        env["PYTORCH_ALLOC_CONF"] = f"backend:{backend}"
+    for backend, release in ALLOCATORS:
+        env = child_env(backend)
         t = time.perf_counter()
         try:
             p = subprocess.run([sys.executable, os.path.abspath(__file__), "--alloc-child", backend, release],
@@ -532,10 +539,8 @@ def share_child(role, backend, release):
 
 def bench_sharing(results, timeout):
     rows = []
-    for backend, release in (("native", "dedicated"), ("cudaMallocAsync", "dedicated"),
-                             ("cudaMallocAsync", "shared")):
-        env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
-        env["PYTORCH_ALLOC_CONF"] = f"backend:{backend}"
+    for backend, release in ALLOCATORS:
+        env = child_env(backend)
         cmd = [sys.executable, os.path.abspath(__file__), "--share-child"]
         row = {"backend": backend, "release": release}
         errors = tempfile.TemporaryFile("w+")     # a file, not a pipe: its log must never block it
