@@ -52,7 +52,7 @@ class DecodeGraphs:
             for _ in range(2):   # warm up: Triton autotuning and lazy inits happen outside the graph
                 self.model.compute_logits(self.model(batch.input_ids, batch.positions, batch))
             torch.cuda.synchronize()
-            # The output lives outside the graph's memory: nothing the capture allocates outlives it.
+            # The output is allocated outside the graph (engine/kernels/platform.capture says why).
             self.logits[b] = torch.empty(b, self.model.config.vocab_size, dtype=torch.float32, device=dev)
             graph = torch.cuda.CUDAGraph()
             with capture(graph, pool=self.pool):

@@ -485,9 +485,10 @@ def test_gpu_allocator_backend_is_cudamallocasync_when_requested():
 
 
 # Greedy tokens of 8 prompts whose outputs end at different lengths, so decode replays the graphs of
-# batch 8, 4, 2 and 1 (the first alone before them); fp32, so that only a near-tie can part two runs (tests/ties.py).
+# batch 8, 4, 2 and 1 (the first prompt alone before them); fp32, so that only a near-tie can part
+# two runs (tests/ties.py).
 _GRAPH_TOKENS = """
-import json, sys, torch
+import json, torch
 from engine import LLM, SamplingParams
 torch.backends.cuda.matmul.allow_tf32 = False
 llm = LLM("llama-3.2-1b", device="cuda", dtype="fp32", kv_cache_tokens=16384, max_num_seqs=8, seed=0)
@@ -496,8 +497,8 @@ run = graphs.run
 graphs.run = lambda batch: replays.append(batch.num_decodes) or run(batch)
 prompts = [list(range(7 + i, 7 + i + n)) for i, n in enumerate([1, 9, 33, 64, 100, 130, 257, 300])]
 params = [SamplingParams(max_tokens=4 + 6 * i, temperature=0, ignore_eos=True, logprobs=2) for i in range(8)]
-# One prompt alone first: decode replays the batch-1 graph before any step of batch 8 (whose capture
-# came first and made cuBLAS's workspace: engine/kernels/platform.capture).
+# One prompt alone first: the batch-1 graph replays before any step of batch 8, whose capture came
+# first and may own memory the others use (cuBLAS's workspace: engine/kernels/platform.capture).
 outs = llm.generate(prompts[:1], params[:1]) + llm.generate(prompts, params)
 llm.shutdown(timeout=1)
 print(json.dumps({"backend": torch.cuda.get_allocator_backend(), "replayed": sorted(set(replays)),
