@@ -2,6 +2,7 @@
 itself from a tiny random Llama; the engine's weights equal compressed-tensors' own decompression bit
 for bit, logits match transformers reading the same checkpoint, and what cannot run is refused."""
 import json
+import os
 import shutil
 
 import pytest
@@ -13,11 +14,12 @@ CPU = torch.device("cpu")
 IDS = list(range(5, 300, 7))
 
 
-def _tiny_llama():
+def _tiny_llama(hidden_size=96, intermediate_size=192, num_attention_heads=6):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
-                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                      num_hidden_layers=2, num_attention_heads=num_attention_heads, num_key_value_heads=2,
+                      max_position_embeddings=512)
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -41,7 +43,7 @@ def _save(model, path, preset=None, tensor_scales=False, sparse=False):
                                                  apply_quantization_config, preset_name_to_scheme)
     from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
 
-    from models.loader import embedded_tokenizer
+    from models.loader import preset_tokenizer
     if preset is not None:
         scheme = preset_name_to_scheme(preset, ["Linear"])
         if tensor_scales:
@@ -71,7 +73,7 @@ def _save(model, path, preset=None, tensor_scales=False, sparse=False):
         _edit_config(path, lambda q: q.setdefault("quantization_config", {"quant_method": "compressed-tensors"})
                      .update(sparsity_config={"format": "dense", "sparsity_structure": "2:4",
                                               "targets": ["re:.*mlp.*"], "ignore": []}))
-    embedded_tokenizer().save_pretrained(path)
+    preset_tokenizer(os.environ.get("MICROENGINE_TOKENIZER")).save_pretrained(path)   # (the GPU machine's copy)
 
 
 def _bitmask_24(w):
@@ -501,6 +503,70 @@ def test_embedded_model_fp8_checkpoint(tmp_path, hf_smollm2):
     try:
         ids = torch.randint(0, stored.tokenizer.vocab_size, (48,)).tolist()
         assert torch.equal(stored.logits(ids), own.logits(ids))
+    finally:
+        stored.shutdown(timeout=1)
+        own.shutdown(timeout=1)
+
+
+def _exactly_quantisable(model, preset):
+    """Give the decoder projections values that `preset` represents exactly, each fp8 row (nvfp4
+    block, and each fused tensor) reaching the format's largest code: compressed-tensors and the
+    engine then derive the same scales and codes from them. Zeros (a 2:4 pattern) stay zero."""
+    from engine.formats.nvfp4 import E2M1_MAX, E4M3_MAX
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
+                w = lin.weight
+                n, k = w.shape
+                kept = w != 0
+                if preset == "FP8_DYNAMIC":      # e4m3 codes times a power-of-two channel scale
+                    q = (torch.randn(n, k, generator=gen) * 64).to(torch.float8_e4m3fn).float()
+                    q[torch.arange(n), kept.float().argmax(1)] = E4M3_MAX
+                    w.copy_(q * 2.0 ** torch.randint(-12, -8, (n, 1), generator=gen) * kept)
+                elif preset == "NVFP4A16":       # e2m1 codes x e4m3 block scales x one tensor scale
+                    grid = torch.tensor([0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+                    codes = grid[torch.randint(0, 7, (n, k // 16, 16), generator=gen)]
+                    codes *= torch.randint(0, 2, codes.shape, generator=gen) * 2 - 1
+                    codes[..., 0] = E2M1_MAX
+                    scales = (torch.rand(n, k // 16, 1, generator=gen) * 64 + 1).to(torch.float8_e4m3fn).float()
+                    scales[0, 0] = E4M3_MAX
+                    w.copy_((codes * scales * 2.0 ** -12).reshape(n, k))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset, sparse", [("FP8_DYNAMIC", False), ("NVFP4A16", False), (None, True),
+                                            ("FP8_DYNAMIC", True)], ids=["fp8", "nvfp4", "2:4", "2:4+fp8"])
+def test_gpu_checkpoints_run_as_the_engines_own_quantisation(tmp_path, preset, sparse):
+    """At shapes the Hopper kernels take, a checkpoint loaded as stored holds the backends the engine's
+    own quantisation makes of the same values (the decompressed copy loaded with --weights /
+    --sparse-ffn), and gives the same greedy tokens (tests/ties.py)."""
+    from ties import assert_same_greedy
+
+    from engine import LLM, SamplingParams
+    model = _tiny_llama(hidden_size=256, intermediate_size=512, num_attention_heads=4)
+    if sparse:
+        _prune_ffn_24(model)
+    _exactly_quantisable(model, preset)
+    _save(model, tmp_path / "ckpt", preset, sparse=sparse)
+    _dense_copy(tmp_path / "ckpt", tmp_path / "dense")
+    weights = {"FP8_DYNAMIC": "fp8", "NVFP4A16": "nvfp4", None: None}[preset]
+    kw = dict(device="cuda", dtype="bf16", kv_cache_tokens=4096, max_num_seqs=8)
+    stored = LLM(str(tmp_path / "ckpt"), **kw)
+    own = LLM(str(tmp_path / "dense"), weights=weights, sparse_ffn="magnitude" if sparse else None, **kw)
+    try:
+        pairs = list(zip(stored.engine.model.linear_layers(), own.engine.model.linear_layers()))
+        assert len(pairs) == 2 * 4
+        for (name, a), (_, b) in pairs:
+            fmt = weights or "bf16"
+            if sparse and ".mlp." in name:
+                fmt = "2:4" if weights is None else "2:4+" + weights
+            assert a.backend.name == b.backend.name == fmt, name
+            assert torch.equal(a.backend.dequantize(), b.backend.dequantize()), name
+        prompts = [IDS, IDS[:7], list(range(40, 300, 3))]
+        p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+        assert_same_greedy(stored.generate(prompts, p), own.generate(prompts, p))
     finally:
         stored.shutdown(timeout=1)
         own.shutdown(timeout=1)
