@@ -37,7 +37,7 @@ from benchmarks.timing import time_graph  # noqa: E402
 from engine.formats import nvfp4 as nv  # noqa: E402
 from engine.kernels.select import Problem, select  # noqa: E402
 
-SHAPES = [(6144, 4096), (28672, 4096), (4096, 14336)]  # qkv, gate+up, down of Llama-3.1-8B
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate+up, down of Llama-3.1-8B
 MS = [1, 16, 128, 1024, 8192]
 
 

@@ -334,7 +334,10 @@ def small_m_config(m: int, n: int, k: int, sm_count: int, block_n: int | None = 
     until there are 1.5 programs per SM, as long as each program keeps at least 4 K steps; where
     that leaves too few steps (a short, shallow layer), 128 deep, 4 stages. More programs per SM do
     not pay here: the kernel holds ~240 registers, and capping them spills.
-    16 < M <= 128: 128-row tiles, 128 K deep, 8 warps, 4 stages.
+    16 < M <= 64: 128-row tiles, 128 K deep, 8 warps, 4 stages, split as at M <= 16.
+    64 < M <= 128: one wave of programs, each at least 8 K steps deep: 256-row tiles (3 stages;
+    each x tile then serves twice the rows) where those give 0.7 programs per SM or more, else
+    128-row tiles (4 stages); K split while there are at most 1.25 programs per SM.
     These are the fastest configurations of bench_nvfp4.py --sweep on the Llama-3.1-8B shapes.
     """
     if m > MAX_M:
@@ -348,8 +351,22 @@ def small_m_config(m: int, n: int, k: int, sm_count: int, block_n: int | None = 
             split *= 2
         return split
 
+    def one_wave_split(bn, bk):
+        tiles, split = triton.cdiv(n, bn), 1
+        while (tiles * split * 2 <= 1.25 * sm_count and k % (2 * split * bk) == 0
+               and k // (2 * split) >= 8 * bk):
+            split *= 2
+        return split
+
     warps = 4
-    if block_n is None and block_k is None and block_m > 16:
+    if block_n is None and block_k is None and block_m > 64 and k % 128 == 0:
+        for block_n in (256, 128):
+            if triton.cdiv(n, block_n) * one_wave_split(block_n, 128) >= 0.7 * sm_count:
+                break
+        block_k, stages, warps = 128, 3 if block_n == 256 else 4, 8
+        if split_k is None:
+            split_k = one_wave_split(block_n, block_k)
+    elif block_n is None and block_k is None and block_m > 16:
         block_n, block_k, stages, warps = 128, 128, 4, 8
     elif block_n is None and block_k is None:
         block_n, block_k, stages = 128, 256, 3
