@@ -18,7 +18,7 @@ Timing: each variant is captured in a CUDA graph that calls it once per weight c
 enough copies to exceed 2x L2, so every call reads its weights from HBM and launch gaps vanish;
 the median of 20 replays, divided by the calls per replay.
 
-    python benchmarks/bench_nvfp4.py [--quick] [--decode] [--sweep]
+    python benchmarks/bench_nvfp4.py [--quick] [--decode] [--sweep] [--m 64,128]
 
 --quick: one shape, M in {1, 1024}. --decode: M = 1, 4 and 16 only (no dequant+cuBLAS).
 --sweep: also times other configurations of both decode kernels at M = 1 and 16.
@@ -100,6 +100,7 @@ def main():
     parser.add_argument("--decode", action="store_true",
                         help="M in {1, 4, 16}: NVFP4 kernels, cuBLAS and fp8 only")
     parser.add_argument("--sweep", action="store_true", help="time other decode-kernel configs")
+    parser.add_argument("--m", help="comma list of M to time instead of the default list")
     args = parser.parse_args()
     from engine.kernels import nvfp4_gluon as gdec
     from engine.kernels import nvfp4_triton as dec
@@ -115,6 +116,8 @@ def main():
     print(f"HBM copy 1 GiB (read+write): copy_ {copy_eager:.0f} GB/s, elementwise kernel "
           f"{copy_kernel:.0f} GB/s; bf16 cuBLAS 8192^3 {peak_tflops:.0f} TFLOP/s")
     shapes, ms = (SHAPES[:1], [1, 1024]) if args.quick else (SHAPES, [1, 4, 16] if args.decode else MS)
+    if args.m:
+        ms = [int(v) for v in args.m.split(",")]
     rows, sweep_rows, gluon_sweep_rows = [], [], []
     for n, k in shapes:
         w_dense = torch.randn(n, k, device="cuda") * 0.02
