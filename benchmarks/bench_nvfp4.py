@@ -21,7 +21,8 @@ the median of 20 replays, divided by the calls per replay.
     python benchmarks/bench_nvfp4.py [--quick] [--decode] [--sweep] [--m 64,128]
 
 --quick: one shape, M in {1, 1024}. --decode: M = 1, 4 and 16 only (no dequant+cuBLAS).
---sweep: also times other configurations of both decode kernels at M = 1 and 16.
+--sweep: also times other configurations of both decode kernels at M = 1 and 16, and of the
+Triton decode kernel at M = 128 (where M is in the list).
 """
 from __future__ import annotations
 
@@ -89,6 +90,8 @@ def check(name, out, ref, tol=1e-2):
 SWEEP = [  # Triton decode kernel: (BLOCK_N, BLOCK_K, words per thread, num_warps, num_stages)
     (128, 256, 4, 4, 3), (128, 128, 4, 4, 4), (128, 256, 2, 4, 3), (64, 128, 2, 4, 6),
     (128, 128, 2, 8, 3), (256, 256, 4, 8, 3)]
+SWEEP_128 = [  # the same at 128 tokens
+    (128, 128, 4, 8, 4), (128, 128, 4, 8, 3), (256, 128, 4, 8, 3), (256, 128, 4, 8, 4)]
 GLUON_SWEEP = [  # Gluon decode kernel: (num_warps, BLOCK_N, warps along K, words per thread)
     (4, 16, 4, 4), (4, 32, 2, 4), (4, 64, 1, 4), (4, 32, 4, 4), (8, 16, 8, 4), (4, 16, 4, 8),
     (4, 32, 2, 8)]
@@ -179,14 +182,14 @@ def main():
                         copies_b, n * k, ref_bf16, tol=0.1)
             except RuntimeError as e:  # cuBLASLt fp8 may want M % 16 == 0
                 print(f"fp8 _scaled_mm N={n} K={k} M={m}: not run ({str(e).splitlines()[0][:80]})")
-            if args.sweep and m in (1, 16):
+            if args.sweep and m in (1, 16, 128):
                 def sweep_point(label, gemm, cfg):
                     """A decode configuration checked, then timed: (us, fraction of copy BW)."""
                     check(label, gemm(x, qs[0], out, cfg), ref)
                     t = graph_time_us(lambda i: gemm(x, qs[i], out, cfg), copies_q)
                     return t, (w_q.nbytes + act_out_bytes) / t / 1e3 / copy_gbs
 
-                for block_n, block_k, wpt, warps, stages in SWEEP:
+                for block_n, block_k, wpt, warps, stages in SWEEP if m <= 16 else SWEEP_128:
                     for split in (1, 2, 4, 8):
                         steps = k // block_k
                         if steps % split or steps < 2 * split or (qs[0].tiled and block_k % 128):
@@ -197,7 +200,7 @@ def main():
                         t, of_copy = sweep_point("sweep", dec.decode_gemm, cfg)
                         sweep_rows.append((n, k, m, block_n, block_k, wpt, warps, stages, split,
                                            t, of_copy))
-                for warps, block_n, warps_k, wpt in GLUON_SWEEP:
+                for warps, block_n, warps_k, wpt in GLUON_SWEEP if m <= 16 else []:
                     for split in (1, 2, 4, 8):
                         k_warp = split * warps_k * 32 * wpt  # K one step covers over warps, splits
                         if k % k_warp or k // k_warp < 2 or (qs[0].tiled and wpt < 4):
@@ -218,7 +221,7 @@ def main():
         for r in gluon_sweep_rows:
             print("| " + " | ".join(str(v) for v in r[:8]) + f" | {r[8]:.1f} | {r[9]:.0%} |")
     if sweep_rows:
-        print("\nNVFP4 Triton decode kernel configurations (BLOCK_M = 16)")
+        print("\nNVFP4 Triton decode kernel configurations")
         print("| N | K | M | BLOCK_N | BLOCK_K | words/thread | warps | stages | SPLIT_K | us | of copy BW |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in sweep_rows:

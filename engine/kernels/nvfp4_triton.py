@@ -338,7 +338,8 @@ def small_m_config(m: int, n: int, k: int, sm_count: int, block_n: int | None = 
     64 < M <= 128: one wave of programs, each at least 8 K steps deep: 256-row tiles (3 stages;
     each x tile then serves twice the rows) where those give 0.7 programs per SM or more, else
     128-row tiles (4 stages); K split while there are at most 1.25 programs per SM.
-    These are the fastest configurations of bench_nvfp4.py --sweep on the Llama-3.1-8B shapes.
+    These are the fastest configurations of bench_nvfp4.py --sweep on the Llama-3.1-8B shapes, or
+    close to them (one rule for all four).
     """
     if m > MAX_M:
         raise ValueError(f"the decode kernel takes M <= {MAX_M}, got {m}")
