@@ -42,7 +42,7 @@ from engine.kernels import fp8_triton  # noqa: E402
 from engine.kernels.platform import capability  # noqa: E402
 from engine.kernels.select import Problem, select  # noqa: E402
 
-SHAPES = [(6144, 4096), (28672, 4096), (4096, 14336)]  # (N, K): qkv, gate+up, down
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K): qkv, o, gate+up, down
 L2_BYTES = 50 * 2**20
 
 
