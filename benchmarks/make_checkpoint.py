@@ -24,19 +24,14 @@ for 2:4 this script records the structure itself: format "dense", structure "2:4
 projections as targets, written with compressed-tensors' own config class. The engine checks at load
 that every such weight really holds a 2:4 pattern.
 
-Set up: llm-compressor pins its dependencies tightly (0.14.0.1, the newest: transformers>=5.15,<=5.17,
-compressed-tensors==0.19.0; 0.14.0, 0.13.0 and 0.12.0.2 pin older ones), while the engine needs
-compressed-tensors>=0.20, so pip cannot install it beside the engine (ResolutionImpossible). It runs,
-though, with the engine's versions (transformers 5.23, compressed-tensors 0.20, torch 2.13): install it
-without its pins in a virtual environment layered on the engine's, from the repository root after the
-README's install:
+Set up: llm-compressor is the `compress` extra. It pins transformers and compressed-tensors to its own
+versions (0.14.0.1, the newest: transformers>=5.15,<=5.17, compressed-tensors==0.19.0; the engine runs
+with both), so install it in a virtual environment layered on the engine's, from the repository root
+after the README's install:
 
-    python -m venv --system-site-packages .venv-compress
-    .venv-compress/bin/pip install --no-deps "llmcompressor==0.14.0.1" "auto-round==0.15.1"
-    .venv-compress/bin/pip install datasets "accelerate>=1.15" loguru pyyaml pillow nvidia-ml-py py-cpuinfo
+    python -m venv --system-site-packages .venv-compress && .venv-compress/bin/pip install -e ".[compress]"
     .venv-compress/bin/python benchmarks/make_checkpoint.py --scheme 2:4+fp8 --out checkpoints/smollm2-2of4-fp8
 
-(pip then warns that llmcompressor asks for other transformers / compressed-tensors versions.)
 Then, in the engine's environment: `python bench.py --quality-only --checkpoint checkpoints/smollm2-2of4-fp8`.
 """
 from __future__ import annotations

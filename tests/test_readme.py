@@ -16,12 +16,12 @@ def readme_block(tag: str) -> str:
 
 
 def test_ci_runs_the_readme_command_blocks():
-    setup, test = readme_block("setup"), readme_block("test")
+    setup, test, compress = readme_block("setup"), readme_block("test"), readme_block("compress")
     printed = subprocess.run(["bash", ".ci/run", "--print"], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout
-    assert printed == f"{setup}\n{test}\n"
+    assert printed == f"{setup}\n{test}\n{compress}\n"
     script = (ROOT / ".ci/run").read_text()
-    assert 'bash -c "$SETUP"' in script and 'bash -c "$TEST"' in script
+    assert 'bash -c "$SETUP"' in script and 'bash -c "$TEST"' in script and 'bash -c "$COMPRESS"' in script
 
 
 def test_readme_commands_install_the_embedded_model_without_compiling():

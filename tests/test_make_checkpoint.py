@@ -1,0 +1,82 @@
+"""benchmarks/make_checkpoint.py with the real llm-compressor (the `compress` extra): the checkpoints it
+makes of the embedded model load as stored, in the format they hold, and compute what their
+references compute. Skipped where llm-compressor is not installed; CI runs this file in the README's
+`compress` environment (a virtual environment with `pip install -e ".[compress]"`)."""
+import importlib.util
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("llmcompressor")
+
+from test_compressed import CPU, IDS, _check_bit_exact, _dense_copy  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _recipe():
+    spec = importlib.util.spec_from_file_location("make_checkpoint",
+                                                  os.path.join(ROOT, "benchmarks", "make_checkpoint.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _logits_match_transformers(path, max_err, reference=None):
+    """The engine's logits on checkpoint `path` against transformers' on `reference` (default: the
+    same checkpoint), largest difference below max_err."""
+    from transformers import AutoModelForCausalLM
+
+    from engine import LLM
+    hf = AutoModelForCausalLM.from_pretrained(reference or path, torch_dtype=torch.float32).eval()
+    llm = LLM(str(path), device="cpu", dtype="fp32")
+    try:
+        with torch.no_grad():
+            expected = hf(torch.tensor([IDS])).logits[0]
+        err = (llm.logits(IDS) - expected).abs().max().item()
+        assert err < max_err, err
+    finally:
+        llm.shutdown(timeout=1)
+
+
+# A few short calibration windows keep SparseGPT on the CPU within a minute or two.
+CALIBRATION = ["--calibration-windows", "8", "--calibration-window", "128"]
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "nvfp4", "2:4"])
+def test_recipe_checkpoints_load_as_stored(tmp_path, scheme):
+    from engine import LLM
+    from models.loader import load_model
+    out = tmp_path / "ckpt"
+    _recipe().main(["--scheme", scheme, "--out", str(out)] + (CALIBRATION if scheme == "2:4" else []))
+    loaded = load_model(str(out), CPU, torch.float32)
+    if scheme == "2:4":
+        # SparseGPT prunes and updates the FFN weights; attention stays dense. The weights are stored
+        # dense (the engine checks the 2:4 pattern at load). transformers refuses a compressed-tensors
+        # config that holds only a sparsity_config, so it runs the same tensors as a plain checkpoint.
+        assert loaded.checkpoint.sparse_ffn and loaded.checkpoint.weights == "bf16"
+        backends = {name: lin.backend.name for name, lin in loaded.model.linear_layers()}
+        assert {b for n, b in backends.items() if ".mlp." in n} == {"2:4"}
+        assert {b for n, b in backends.items() if ".self_attn." in n} == {"bf16"}
+        _dense_copy(out, tmp_path / "dense")
+        _logits_match_transformers(out, 1e-3, reference=tmp_path / "dense")
+        return
+    assert loaded.checkpoint.weights == scheme and not loaded.checkpoint.sparse_ffn
+    _check_bit_exact(out, loaded, scheme)
+    if scheme == "fp8":
+        # transformers runs the checkpoint with per-token FP8 activations, as the engine does.
+        _logits_match_transformers(out, 2e-3)
+    else:
+        # transformers cannot run NVFP4 weights in fp32 on the CPU: the reference is the checkpoint
+        # as compressed-tensors decompresses it, run dense (fp32 rounding apart: the engine multiplies
+        # by the global scale's reciprocal where the decompression divides).
+        _dense_copy(out, tmp_path / "dense")
+        ours, ref = LLM(str(out), device="cpu", dtype="fp32"), LLM(str(tmp_path / "dense"), device="cpu", dtype="fp32")
+        try:
+            ids = torch.randint(0, ours.tokenizer.vocab_size, (48,)).tolist()
+            got, expected = ours.logits(ids), ref.logits(ids)
+            assert (got - expected).abs().max() <= 2e-5 * expected.abs().max()
+        finally:
+            ours.shutdown(timeout=1)
+            ref.shutdown(timeout=1)
