@@ -65,8 +65,20 @@ def test_recipe_checkpoints_load_as_stored(tmp_path, scheme):
     assert loaded.checkpoint.weights == scheme and not loaded.checkpoint.sparse_ffn
     _check_bit_exact(out, loaded, scheme)
     if scheme == "fp8":
-        # transformers runs the checkpoint with per-token FP8 activations, as the engine does.
-        _logits_match_transformers(out, 2e-3)
+        # llm-compressor's round to nearest makes the engine's own `--weights fp8` values and scales:
+        # the two models are the same tensors and give the same logits. (transformers' FP8 forward is
+        # no whole-model reference here: each projection matches it (test_compressed.py), but over 30
+        # layers one-code differences in the per-token activation rounding compound, to 8% of the
+        # logits' norm apart, about FP8's own distance from dense.)
+        stored, own = LLM(str(out), device="cpu", dtype="fp32"), LLM("llama", device="cpu", dtype="fp32", weights="fp8")
+        try:
+            a, b = stored.engine.model.state_dict(), own.engine.model.state_dict()
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+            ids = torch.randint(0, own.tokenizer.vocab_size, (48,)).tolist()
+            assert torch.equal(stored.logits(ids), own.logits(ids))
+        finally:
+            stored.shutdown(timeout=1)
+            own.shutdown(timeout=1)
     else:
         # transformers cannot run NVFP4 weights in fp32 on the CPU: the reference is the checkpoint
         # as compressed-tensors decompresses it, run dense (fp32 rounding apart: the engine multiplies
