@@ -190,11 +190,24 @@ def _check_bit_exact(path, loaded, backend_name, ref=None):
             assert torch.equal(got, expected), (i, fused, (got - expected).abs().max())
 
 
-def _logits_match_transformers(path, max_err):
+def _transformers(path, ffn_activations=True):
+    """transformers running the checkpoint at `path` in fp32 on the CPU (compressed-tensors decompresses
+    its weights as it loads, and quantises activations as the scheme says). ffn_activations=False: the
+    FFN takes its activations unquantised, as the engine's 2:4+fp8 backend does on the CPU (its
+    reference kernel: only sm_90's torchao kernel takes them per-token FP8)."""
     from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if not ffn_activations:
+        for name, m in hf.named_modules():
+            scheme = getattr(m, "quantization_scheme", None)
+            if ".mlp." in name and scheme is not None:
+                m.quantization_scheme = scheme.model_copy(update={"input_activations": None})
+    return hf
 
+
+def _logits_match_transformers(path, max_err):
     from engine import LLM
-    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    hf = _transformers(path)
     llm = LLM(str(path), device="cpu", dtype="fp32")
     try:
         with torch.no_grad():
@@ -229,8 +242,12 @@ def test_nvfp4_checkpoint_loads_as_stored(tmp_path):
     o = loaded.model.layers[0].self_attn.o_proj.backend
     assert torch.equal(o.packed, sd["model.layers.0.self_attn.o_proj.weight_packed"])
     assert torch.equal(o.block_scale.view(torch.uint8), sd["model.layers.0.self_attn.o_proj.weight_scale"].view(torch.uint8))
-    # transformers' NVFP4 decompression on the CPU hands back bf16 weights that its fp32 model cannot
-    # multiply: the reference is compressed-tensors' decompressed weights run as a dense checkpoint.
+    # transformers cannot run it in fp32: compressed-tensors' NVFP4 decompression (NVFP4PackedCompressor.
+    # decompress) unpacks the codes in unpack_fp4_from_uint8's default bf16 and dequantises in it, and
+    # the fp32 model then meets bf16 weights. (Checked, so that this test tells when it can.) The
+    # reference is compressed-tensors' decompressed weights (in fp32) run as a dense checkpoint.
+    with pytest.raises(RuntimeError, match="expected m1 and m2 to have the same dtype"), torch.no_grad():
+        _transformers(tmp_path)(torch.tensor([IDS]))
     from engine import LLM
     dense_dir = tmp_path.parent / (tmp_path.name + "-dense")
     _dense_copy(tmp_path, dense_dir)
@@ -463,28 +480,32 @@ def test_recipe_records_the_2_4_structure(tmp_path, preset):
 
 
 
-def test_fp8_layers_match_transformers(tmp_path):
-    """Each FP8 projection, on fresh random activations of several scales, gives what transformers'
-    compressed-tensors layer gives (the same per-token FP8 activations, then fp32 products in another
-    order). End to end, per-token FP8 rounding of two summation orders parts at rounding boundaries and
-    the parting grows layer by layer, so the layer is where the two are compared tightly."""
-    from transformers import AutoModelForCausalLM
-
-    from models.loader import load_model
-    _save(_tiny_llama(), tmp_path, "FP8_DYNAMIC")
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    ours = load_model(str(tmp_path), CPU, torch.float32).model
+def _projections_match_transformers(model, hf):
+    """Each decoder projection of the engine's `model`, on fresh random activations of several scales,
+    gives what transformers' compressed-tensors layers `hf` give: the same activations (per-token FP8
+    where the scheme quantises them: both round the same inputs), then fp32 products in another order."""
+    from models.compressed import FUSED_PROJECTIONS
     with torch.no_grad():
-        hf(torch.tensor([IDS]))      # decompresses its layers
-        for i, layer in enumerate(ours.layers):
-            for fused, parts in (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-                                 ("mlp.down_proj", ("mlp.down_proj",))):
+        hf(torch.tensor([IDS[:2]]))      # decompresses its layers
+        for i, layer in enumerate(model.layers):
+            for fused, parts in FUSED_PROJECTIONS.items():
                 lin = layer.get_submodule(fused)
                 x = torch.randn(9, lin.in_features) * torch.rand(9, 1) * 10
                 # [batch, tokens, K] as in the model: its per-token scales are per row of x
                 ref = torch.cat([hf.model.layers[i].get_submodule(p)(x[None])[0] for p in parts], dim=-1)
                 got = lin(x)
                 assert (got - ref).abs().max() <= 1e-5 * ref.abs().max(), (i, fused)
+
+
+def test_fp8_layers_match_transformers(tmp_path):
+    """Each FP8 projection gives what transformers' compressed-tensors layer gives. End to end,
+    per-token FP8 rounding of two summation orders parts at rounding boundaries and the parting grows
+    layer by layer, so the layer is where the two are compared tightly."""
+    from models.loader import load_model
+    _save(_tiny_llama(), tmp_path, "FP8_DYNAMIC")
+    loaded = load_model(str(tmp_path), CPU, torch.float32)
+    assert {lin.backend.name for _, lin in loaded.model.linear_layers()} == {"fp8"}
+    _projections_match_transformers(loaded.model, _transformers(tmp_path))
 
 
 def _embedded_copy(hf_smollm2):
