@@ -730,13 +730,19 @@ def test_embedded_model_nvfp4_checkpoint(tmp_path, hf_smollm2):
     gate/up) where the engine divides by amax / (448 * 6) of the fused weight, and on this model 44 of
     the 120 tensor scales, 831 block scales and 6922 code bytes come out different (logits 6e-3 of
     their largest apart)."""
-    from engine import LLM
     _save(_embedded_copy(hf_smollm2), tmp_path / "ckpt", "NVFP4A16")
-    _dense_copy(tmp_path / "ckpt", tmp_path / "dense")
-    stored = LLM(str(tmp_path / "ckpt"), device="cpu", dtype="fp32")
-    ref = LLM(str(tmp_path / "dense"), device="cpu", dtype="fp32")
+    _nvfp4_runs_as_its_decompression(tmp_path / "ckpt", tmp_path / "dense")
+
+
+def _nvfp4_runs_as_its_decompression(path, dense_dir):
+    """The NVFP4 checkpoint at `path` loads bit for bit, and the engine's logits on fresh random tokens
+    are those of its compressed-tensors decompression run densely (written to `dense_dir`)."""
+    from engine import LLM
+    _dense_copy(path, dense_dir)
+    stored = LLM(str(path), device="cpu", dtype="fp32")
+    ref = LLM(str(dense_dir), device="cpu", dtype="fp32")
     try:
-        _check_bit_exact(tmp_path / "ckpt", stored.engine, "nvfp4")
+        _check_bit_exact(path, stored.engine, "nvfp4")
         assert ref.engine.model.layers[0].mlp.down_proj.backend.name == "bf16"
         ids = torch.randint(0, stored.tokenizer.vocab_size, (48,)).tolist()
         got, expected = stored.logits(ids), ref.logits(ids)
