@@ -345,28 +345,23 @@ def small_m_config(m: int, n: int, k: int, sm_count: int, block_n: int | None = 
         raise ValueError(f"the decode kernel takes M <= {MAX_M}, got {m}")
     block_m = 16 if m <= 16 else triton.next_power_of_2(m)
 
-    def split_for(bn, bk):
+    def split_for(bn, bk, one_wave=False):
+        """K split of bn-row tiles, doubled while the programs are fewer than 1.5 per SM (one_wave:
+        while doubled they stay at most 1.25 per SM) and each keeps 4 (one_wave: 8) steps of bk."""
         tiles, split = triton.cdiv(n, bn), 1
-        while (tiles * split < 1.5 * sm_count and k % (2 * split * bk) == 0
-               and k // (2 * split) >= 4 * bk):
-            split *= 2
-        return split
-
-    def one_wave_split(bn, bk):
-        tiles, split = triton.cdiv(n, bn), 1
-        while (tiles * split * 2 <= 1.25 * sm_count and k % (2 * split * bk) == 0
-               and k // (2 * split) >= 8 * bk):
+        while ((tiles * split * 2 <= 1.25 * sm_count if one_wave else tiles * split < 1.5 * sm_count)
+               and k % (2 * split * bk) == 0 and k // (2 * split) >= (8 if one_wave else 4) * bk):
             split *= 2
         return split
 
     warps = 4
     if block_n is None and block_k is None and block_m > 64 and k % 128 == 0:
         for block_n in (256, 128):
-            if triton.cdiv(n, block_n) * one_wave_split(block_n, 128) >= 0.7 * sm_count:
+            wave_split = split_for(block_n, 128, one_wave=True)
+            if triton.cdiv(n, block_n) * wave_split >= 0.7 * sm_count:
                 break
         block_k, stages, warps = 128, 3 if block_n == 256 else 4, 8
-        if split_k is None:
-            split_k = one_wave_split(block_n, block_k)
+        split_k = wave_split if split_k is None else split_k
     elif block_n is None and block_k is None and block_m > 16:
         block_n, block_k, stages, warps = 128, 128, 4, 8
     elif block_n is None and block_k is None:
