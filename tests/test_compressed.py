@@ -559,17 +559,23 @@ def test_stored_layers_allocate_no_dense_weight(tmp_path, monkeypatch, stored):
     assert not any(t.is_meta for t in loaded.model.state_dict().values())
 
 
-@pytest.mark.parametrize("preset", [None, "FP8_DYNAMIC"], ids=["2:4", "2:4+fp8"])
-def test_recipe_records_the_2_4_structure(tmp_path, preset):
-    """benchmarks/make_checkpoint.py writes the sparsity_config llm-compressor leaves empty (through
-    compressed-tensors' config class): a pruned model saved by compressed-tensors then loads as 2:4; a
-    weight that is not 2:4 is refused before anything is written."""
+def _recipe():
+    """benchmarks/make_checkpoint.py as a module (benchmarks/ is no package)."""
     import importlib.util
     import os
     spec = importlib.util.spec_from_file_location(
         "make_checkpoint", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "make_checkpoint.py"))
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
+    return recipe
+
+
+@pytest.mark.parametrize("preset", [None, "FP8_DYNAMIC"], ids=["2:4", "2:4+fp8"])
+def test_recipe_records_the_2_4_structure(tmp_path, preset):
+    """benchmarks/make_checkpoint.py writes the sparsity_config llm-compressor leaves empty (through
+    compressed-tensors' config class): a pruned model saved by compressed-tensors then loads as 2:4; a
+    weight that is not 2:4 is refused before anything is written."""
+    recipe = _recipe()
     from models.loader import load_model
     ffn = ("gate_proj", "up_proj", "down_proj")
     model = _tiny_llama()

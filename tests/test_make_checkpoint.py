@@ -2,34 +2,20 @@
 makes of the embedded model load as stored, in the format they hold, and compute what their
 references compute. Skipped where llm-compressor is not installed; CI runs this file in the README's
 `compress` environment (a virtual environment with `pip install -e ".[compress]"`)."""
-import importlib.util
-import os
-
 import pytest
 import torch
 
 pytest.importorskip("llmcompressor")
 
-from test_compressed import CPU, _check_bit_exact, _dense_copy, _nvfp4_runs_as_its_decompression  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _recipe():
-    spec = importlib.util.spec_from_file_location("make_checkpoint",
-                                                  os.path.join(ROOT, "benchmarks", "make_checkpoint.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from test_compressed import (CPU, _check_bit_exact, _dense_copy, _nvfp4_runs_as_its_decompression,  # noqa: E402
+                             _recipe, _transformers)
 
 
 def _logits_match_transformers(path, reference, max_err):
     """The engine's logits on checkpoint `path` against transformers' on `reference`, over fresh
     random tokens: largest difference below max_err."""
-    from transformers import AutoModelForCausalLM
-
     from engine import LLM
-    hf = AutoModelForCausalLM.from_pretrained(reference, torch_dtype=torch.float32).eval()
+    hf = _transformers(reference)
     llm = LLM(str(path), device="cpu", dtype="fp32")
     try:
         ids = torch.randint(0, llm.tokenizer.vocab_size, (48,)).tolist()
