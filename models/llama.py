@@ -28,7 +28,8 @@ from torch import nn
 
 from engine.kernels import attention as attn_ops
 from engine.kernels.norms import rms_norm
-from engine.kernels.rope import apply_rope, rope_inv_freq
+from engine.kernels.platform import triton_runs
+from engine.kernels.rope import apply_rope, apply_rope_triton, rope_inv_freq
 from engine.formats import DenseWeight
 from engine.linear import Linear
 from engine.parallel import Shard, split_evenly
@@ -123,27 +124,40 @@ class LlamaAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = batch.kv_cache.layer(self.layer_idx) if batch.kv_cache is not None else (None, None)
-        # RoPE also stores this step's K/V in the paged cache (one kernel)
-        kv_write = (v, k_cache, v_cache, batch.slot_mapping) if k_cache is not None else None
-        q, k = apply_rope(q, k, positions, inv_freq, kv_write, self.fused)
-        o = attend(q, k, v, batch, k_cache, v_cache, self.scale)
+        new_kv = None
+        if batch.num_decodes and k_cache is not None and self.fused and triton_runs(q):
+            # The decode rows are rotated, and their K/V stored, by the decode attention kernel
+            # itself (one launch less per layer); prefill rows by RoPE's kernel, in place.
+            p = batch.num_prefill_tokens
+            if p:
+                apply_rope_triton(q[:p], k[:p], positions[:p], inv_freq,
+                                  (v[:p], k_cache, v_cache, batch.slot_mapping[:p]))
+            new_kv = (k[p:], v[p:], inv_freq)
+        else:
+            # RoPE also stores this step's K/V in the paged cache (one kernel)
+            kv_write = (v, k_cache, v_cache, batch.slot_mapping) if k_cache is not None else None
+            q, k = apply_rope(q, k, positions, inv_freq, kv_write, self.fused)
+        o = attend(q, k, v, batch, k_cache, v_cache, self.scale, new_kv)
         o = self.o_proj(o.reshape(t, self.q_size))
         return o if self.tp is None else self.tp.all_reduce(o)
 
 
-def attend(q, k, v, batch, k_cache, v_cache, scale):
+def attend(q, k, v, batch, k_cache, v_cache, scale, new_kv=None):
     """Attention over this step's K/V, already in the paged cache (k_cache None: no cache, prefill
-    only): prefill rows first, decode rows after."""
+    only): prefill rows first, decode rows after. new_kv = (k, v, inv_freq) of the decode rows: their
+    q and k are not rotated yet nor their K/V cached; the decode kernel does both first."""
     p = batch.num_prefill_tokens
     if batch.num_decodes == 0:
         return _prefill(q, k, v, batch, k_cache, v_cache, scale)
+
+    def decode(qd):
+        return attn_ops.decode_attention(qd, k_cache, v_cache, batch.decode_block_tables,
+                                         batch.decode_context_lens, scale, new_kv)
     if p == 0:   # decode only: no copy into a shared output (one kernel less per layer)
-        return attn_ops.decode_attention(q, k_cache, v_cache, batch.decode_block_tables,
-                                         batch.decode_context_lens, scale)
+        return decode(q)
     out = torch.empty_like(q)
     out[:p] = _prefill(q[:p], k[:p], v[:p], batch, k_cache, v_cache, scale)
-    out[p:] = attn_ops.decode_attention(q[p:], k_cache, v_cache, batch.decode_block_tables,
-                                        batch.decode_context_lens, scale)
+    out[p:] = decode(q[p:])
     return out
 
 

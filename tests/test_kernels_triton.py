@@ -204,7 +204,7 @@ def test_rope_stores_k_and_v_in_the_cache(t, nh, nkv, hd, dtype):
     assert_close(q, q_ref, dtype, "rope q")
     assert_close(k, k_ref, dtype, "rope k")
     assert torch.equal(v, v_before)
-    attention.write_kv_ref(k, v, k_want, v_want, slots)
+    rope.write_kv_ref(k, v, k_want, v_want, slots)
     assert torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want)
 
 
@@ -248,6 +248,42 @@ def check_decode(context_lens, nh, nkv, hd, dtype, num_splits):
     assert_close(out, ref, dtype, f"decode (splits {num_splits})")
 
 
+def check_decode_rope(context_lens, nh, nkv, hd, dtype, num_splits):
+    """The decode kernel given the rows' new k and v (new_kv): q and k rotated in the kernel, k and
+    v stored at position context_len - 1. Against the reference (output and caches), and bit for bit
+    against what it replaces: the RoPE kernel storing K/V, then the kernel without new_kv."""
+    block_size = 16
+    num_blocks = sum((c + block_size - 1) // block_size for c in context_lens) + 3
+    k_cache, v_cache = paged_cache(num_blocks, block_size, nkv, hd, dtype)
+    tables = block_tables_for(context_lens, block_size, num_blocks)
+    ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    b = len(context_lens)
+    qkv = torch.randn(b, (nh + 2 * nkv) * hd, device=DEVICE, dtype=dtype)   # as the qkv GEMM writes it
+
+    def split(t):
+        return (t[:, :nh * hd].view(b, nh, hd), t[:, nh * hd:(nh + nkv) * hd].view(b, nkv, hd),
+                t[:, (nh + nkv) * hd:].view(b, nkv, hd))
+    inv_freq = rope.rope_inv_freq(hd, 500000.0, LLAMA3_SCALING).to(DEVICE)
+    scale = hd ** -0.5
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(3)]
+    q, k, v = split(qkv.clone())
+    out = attention.decode_attention_triton(q, *caches[0], tables, ctx, scale, (k, v, inv_freq), num_splits)
+    assert torch.equal(qkv, torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)), "inputs changed"
+    q, k, v = split(qkv.clone())
+    ref = attention.decode_attention_ref(q, *caches[1], tables, ctx, scale, (k, v, inv_freq))
+    assert_close(out, ref, dtype, f"decode with RoPE (splits {num_splits})")
+    for mine, want in zip(caches[0], caches[1]):
+        assert_close(mine, want, dtype, "cache after the decode kernel's K/V write")
+    # what the engine ran before: RoPE's launch rotates and stores, then attention
+    q, k, v = split(qkv.clone())
+    pos = ctx.long() - 1
+    slots = tables.gather(1, (pos // block_size)[:, None]).squeeze(1).long() * block_size + pos % block_size
+    rope.apply_rope_triton(q, k, pos, inv_freq, (v, *caches[2], slots))
+    before = attention.decode_attention_triton(q, *caches[2], tables, ctx, scale, num_splits=num_splits)
+    assert torch.equal(out, before), "decode with RoPE differs from RoPE's kernel then decode"
+    assert torch.equal(caches[0][0], caches[2][0]) and torch.equal(caches[0][1], caches[2][1])
+
+
 GQA = [(9, 3, 64), (8, 2, 128)]   # SmolLM2's 9/3 x 64 and a Llama-like group of 4 x 128
 
 
@@ -257,6 +293,62 @@ GQA = [(9, 3, 64), (8, 2, 128)]   # SmolLM2's 9/3 x 64 and a Llama-like group of
 def test_decode_attention(poisoned, nh, nkv, hd, dtype, num_splits):
     # 1 key; exactly one block; partial last blocks; several 64-key tiles per split
     check_decode([1, 16, 37, 300], nh, nkv, hd, dtype, num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("nh,nkv,hd", GQA)
+def test_decode_attention_rope(poisoned, nh, nkv, hd, num_splits):
+    # the new token alone; at a block's first row; mid-block; in the last of several splits
+    check_decode_rope([1, 17, 37, 300], nh, nkv, hd, torch.bfloat16, num_splits)
+
+
+def test_attention_layer_mixed_step_against_the_reference_path():
+    """models.llama's attention on a step of two prefill chunks (one after a cached prefix) and
+    three decodes: with the fused kernels, RoPE's launch rotates the prefill rows and the decode
+    kernel its own rows; fused off, the RoPE reference and KV write run for every row. The same
+    output and the same cache, within fp32 rounding."""
+    from engine.batch import Batch
+    from engine.memory.kv_cache import KVCache
+    from models.llama import LlamaAttention
+    from models.presets import LlamaConfig
+    cfg = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=32, rope_theta=500000.0, rope_scaling=LLAMA3_SCALING)
+    layer = LlamaAttention(cfg, 0, DEVICE, torch.float32)
+    for lin in (layer.qkv_proj, layer.o_proj):
+        lin.load(torch.randn(lin.full_shape, device=DEVICE) * 0.1)
+    bs = 16
+    chunks = [(5, 0), (20, 9)]                 # (tokens this step, cached prefix)
+    decodes = [1, 16, 40]                      # context lengths, this step's token included
+    ctx = [n + p for n, p in chunks] + decodes
+    cache = KVCache(1, sum(-(-c // bs) for c in ctx) + 1, bs, 2, 32, torch.float32, DEVICE)
+    cache.k.normal_()
+    cache.v.normal_()
+    tables = block_tables_for(ctx, bs, cache.scratch_block)
+    pos = [torch.arange(p, p + n) for n, p in chunks] + [torch.tensor([c - 1]) for c in decodes]
+    seq = torch.cat([torch.full((len(x),), i) for i, x in enumerate(pos)]).to(DEVICE)
+    pos = torch.cat(pos).to(DEVICE)
+    slots = (tables[seq, pos // bs].long() * bs + pos % bs)
+    lens = torch.tensor(ctx, dtype=torch.int32, device=DEVICE)
+    t = len(pos)
+    p = sum(n for n, _ in chunks)
+    batch = Batch(input_ids=torch.zeros(t, dtype=torch.int64, device=DEVICE), positions=pos, slot_mapping=slots,
+                  kv_cache=cache, num_prefills=2, num_prefill_tokens=p,
+                  prefill_offsets=torch.tensor([0, 5, 25], dtype=torch.int32, device=DEVICE), prefill_max_len=20,
+                  prefill_context_lens=lens[:2], prefill_block_tables=tables[:2], prefill_has_prefix=True,
+                  num_decodes=3, decode_context_lens=lens[2:], decode_block_tables=tables[2:],
+                  logits_indices=torch.arange(t, device=DEVICE), sampled=[])
+    x = torch.randn(t, 128, device=DEVICE)
+    inv_freq = rope.rope_inv_freq(32, 500000.0, LLAMA3_SCALING).to(DEVICE)
+    k0, v0 = cache.k.clone(), cache.v.clone()
+    fused = layer(x, pos, batch, inv_freq)
+    k_fused, v_fused = cache.k.clone(), cache.v.clone()
+    cache.k.copy_(k0)
+    cache.v.copy_(v0)
+    layer.fused = False
+    reference = layer(x, pos, batch, inv_freq)
+    assert_close(fused, reference, torch.float32, "attention layer, mixed step")
+    assert_close(k_fused, cache.k, torch.float32, "k cache")
+    assert torch.equal(v_fused, cache.v)
 
 
 def check_prefill(q_lens, prefix_lens, nh, nkv, hd, dtype, with_cache=True):
@@ -277,7 +369,7 @@ def check_prefill(q_lens, prefix_lens, nh, nkv, hd, dtype, with_cache=True):
         slots = torch.cat([tables[i, torch.arange(p, c, device=DEVICE) // block_size].long() * block_size
                            + torch.arange(p, c, device=DEVICE) % block_size
                            for i, (p, c) in enumerate(zip(prefix_lens, ctx_lens))])
-        attention.write_kv_ref(k, v, k_cache, v_cache, slots)
+        rope.write_kv_ref(k, v, k_cache, v_cache, slots)
     else:
         k_cache = v_cache = tables = None
     out = attention.prefill_attention_triton(q, k, v, cu, ctx, tables, k_cache, v_cache, scale)
@@ -381,6 +473,12 @@ def test_gpu_rope_llama(t):
 @pytest.mark.parametrize("num_splits", [None, 1, 8])
 def test_gpu_decode_attention_llama(poisoned, num_splits):
     check_decode([1, 1000, 4097, 8191], 32, 8, 128, torch.bfloat16, num_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 1])
+def test_gpu_decode_attention_rope_llama(poisoned, num_splits):
+    check_decode_rope([1, 1000, 4097, 8191], 32, 8, 128, torch.bfloat16, num_splits)
 
 
 @pytest.mark.gpu

@@ -6,12 +6,14 @@ its flat slot is block * block_size + row (the slot_mapping of the KV write).
 
 Each function has a plain PyTorch reference (`*_ref`), which is what runs on the CPU; on CUDA
 tensors (or anywhere under TRITON_INTERPRET=1) the public functions run Triton kernels. The KV
-write has no kernel of its own: RoPE's launch stores K and V (engine/kernels/rope.py), and
-`write_kv_ref` is its reference.
+write has no kernel of its own: RoPE's launch stores prefill rows' K and V (engine/kernels/rope.py,
+whose `write_kv_ref` is the reference), and the decode kernel its own rows'.
 - `decode_attention`: one program per (sequence, KV head, split of the context). The query heads
   that share a KV head are processed together as the rows of one tile, so each K/V row is read
   from HBM once per KV head (GQA); long contexts are split across programs to fill the GPU and a
-  second kernel merges the splits' partial softmaxes. fp32 softmax, online (exp2 domain).
+  second kernel merges the splits' partial softmaxes. fp32 softmax, online (exp2 domain). Given
+  the rows' new k and v (`new_kv`), the kernel also applies RoPE to q and k, with the RoPE
+  kernel's arithmetic (the same bits), and stores k and v in the cache: decode needs no RoPE launch.
 - `prefill_attention_flash`: prompts with no cached prefix, in bf16/fp16 on sm_80+: FlashAttention-2's
   variable-length kernel over the packed rows (cu_seqlens), GQA native.
 - `prefill_attention`: packed variable-length sequences, one program per (block of queries of one
@@ -26,19 +28,13 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.platform import capability, interpreting, jit, sm_count, triton_runs
+from engine.kernels.rope import apply_rope_ref, check_cache, rope_cos_sin, rope_rotate, write_kv_ref
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # no Triton: the references run
     triton = None
-
-
-def write_kv_ref(k, v, k_cache, v_cache, slot_mapping):
-    """k, v: [T, n_kv, hd] -> rows slot_mapping[t] of the flattened caches."""
-    nb, bs, nkv, hd = k_cache.shape
-    k_cache.view(nb * bs, nkv, hd).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(nb * bs, nkv, hd).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def _gather_seq(cache, block_table, length):
@@ -82,8 +78,18 @@ def prefill_attention_ref(q, k, v, cu_seqlens_q, context_lens, block_tables, k_c
     return out
 
 
-def decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """One query per sequence. q: [B, nh, hd]; sequence b sees its first context_lens[b] cached keys."""
+def decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv=None):
+    """One query per sequence. q: [B, nh, hd]; sequence b sees its first context_lens[b] cached keys.
+    new_kv = (k, v, inv_freq), k and v [B, nkv, hd]: each row's token is the last of its context
+    (position context_lens - 1); its q and k are not rotated yet and its k, v not cached: RoPE
+    rotates them and the cache gets k, v at that position first (what the RoPE kernel would do)."""
+    if new_kv is not None:
+        k, v, inv_freq = new_kv
+        pos = context_lens.long() - 1
+        q, k = apply_rope_ref(q, k, pos, inv_freq)
+        bs = k_cache.shape[1]
+        slots = block_tables.gather(1, (pos // bs)[:, None]).squeeze(1).long() * bs + pos % bs
+        write_kv_ref(k, v, k_cache, v_cache, slots)
     out = torch.empty_like(q)
     for b, length in enumerate(context_lens.tolist()):
         ks = _gather_seq(k_cache, block_tables[b], length)
@@ -126,11 +132,24 @@ def _dot(a, b, EXACT_FP32: tl.constexpr):
 
 
 @jit
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-                   out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, scale_log2e,
-                   q_stride_b, q_stride_h, c_stride_block, c_stride_row, c_stride_head, bt_stride, n_heads,
+def _rotate_head(x_ptr, d, partner, first, cos, sin):
+    """One head (or a tile of heads) rotated as the RoPE kernel rotates it, in fp32: x at columns
+    d, read again at the partner columns of the rotate-half pairs."""
+    x = tl.load(x_ptr + d).to(tl.float32)
+    xp = tl.load(x_ptr + partner).to(tl.float32)
+    y1, _ = rope_rotate(x, xp, cos, sin)      # columns of the first half: x is x1, xp is x2
+    _, y2 = rope_rotate(xp, x, cos, sin)      # second half: xp is x1, x is x2
+    return tl.where(first, y1, y2)
+
+
+@jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+                   context_lens_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, scale_log2e,
+                   q_stride_b, q_stride_h, k_stride_b, k_stride_h, v_stride_b, v_stride_h,
+                   c_stride_block, c_stride_row, c_stride_head, bt_stride, n_heads,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, EXACT_FP32: tl.constexpr):
+                   BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, ROPE: tl.constexpr,
+                   EXACT_FP32: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -144,8 +163,29 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
     d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + g            # the query heads of this KV head, as tile rows
     is_head = g < GROUP
-    q = tl.load(q_ptr + seq * q_stride_b + heads[:, None] * q_stride_h + d[None, :],
-                mask=is_head[:, None], other=0.0)
+    q_at = q_ptr + seq * q_stride_b + heads[:, None] * q_stride_h
+    if ROPE:
+        # The row's token is the context's last, at position ctx - 1. Its q and k are rotated here
+        # with the RoPE kernel's arithmetic, to the same bits; the split that holds the position
+        # stores k and v in the cache and reads them back in its loop.
+        HALF: tl.constexpr = HEAD_DIM // 2
+        first = d < HALF
+        partner = tl.where(first, d + HALF, d - HALF)
+        pos = ctx - 1
+        cos, sin = rope_cos_sin(pos, inv_freq_ptr, tl.where(first, d, d - HALF), HALF)
+        q_rows = tl.where(is_head[:, None], q_at, q_ptr)      # padding rows read row 0, unused
+        q = _rotate_head(q_rows, d[None, :], partner[None, :], first[None, :], cos[None, :],
+                         sin[None, :]).to(q_ptr.dtype.element_ty)
+        if pos >= start:
+            k = _rotate_head(k_ptr + seq * k_stride_b + kv_head * k_stride_h, d, partner, first, cos, sin)
+            v = tl.load(v_ptr + seq * v_stride_b + kv_head * v_stride_h + d)
+            page = tl.load(block_tables_ptr + seq * bt_stride + pos // PAGE).to(tl.int64)
+            row = page * c_stride_block + (pos % PAGE) * c_stride_row + kv_head * c_stride_head + d
+            tl.store(k_cache_ptr + row, k.to(k_cache_ptr.dtype.element_ty))
+            tl.store(v_cache_ptr + row, v.to(v_cache_ptr.dtype.element_ty))
+            tl.debug_barrier()             # the whole program sees the row before the loop reads it
+    else:
+        q = tl.load(q_at + d[None, :], mask=is_head[:, None], other=0.0)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -268,16 +308,6 @@ PREFILL_BLOCK_M = 128     # queries per program of the prefill kernel
 PREFILL_BLOCK_N = 64      # keys per tile of the prefill kernel
 
 
-def check_cache(k_cache, v_cache, head_dim):
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
-        raise ValueError("k_cache and v_cache need one layout with unit stride along head_dim")
-    page = k_cache.shape[1]
-    if page & (page - 1):
-        raise ValueError(f"block_size {page} is not a power of two")
-    if head_dim & (head_dim - 1) or head_dim < 16:
-        raise ValueError(f"head_dim {head_dim}: the attention kernels need a power of two >= 16")
-
-
 def _exact_fp32_dot(dtype):
     return dtype == torch.float32 or interpreting()
 
@@ -293,7 +323,10 @@ def decode_splits(num_seqs: int, num_kv_heads: int, device) -> int:
     return min(64, 1 << (want.bit_length() - 1))
 
 
-def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None):
+def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv=None,
+                            num_splits=None):
+    """decode_attention_ref's contract (new_kv included) on the Triton kernels. num_splits
+    overrides the split choice (tests, the benchmark's sweep)."""
     b, nh, hd = q.shape
     nkv = k_cache.shape[2]
     check_cache(k_cache, v_cache, hd)
@@ -310,11 +343,20 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, sca
         part_sum = torch.empty((b, nh, splits), device=q.device, dtype=torch.float32)
     else:
         part_acc = part_max = part_sum = out   # unused: the kernel writes out directly
+    if new_kv is not None:
+        k, v, inv_freq = new_kv
+        if k.shape != (b, nkv, hd) or v.shape != k.shape or k.stride(-1) != 1 or v.stride(-1) != 1:
+            raise ValueError(f"decode_attention: new k and v must be [{b}, {nkv}, {hd}] with unit stride "
+                             "along head_dim")
+        new = (k, v, inv_freq.to(q.device), k.stride(0), k.stride(1), v.stride(0), v.stride(1))
+    else:    # unused pointers and strides: ROPE is off
+        new = (q, q, q, 0, 0, 0, 0)
     _decode_kernel[(b, nkv, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_max, part_sum,
-        scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), nh, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=hd, PAGE=k_cache.shape[1], BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=splits,
+        q, *new[:3], k_cache, v_cache, block_tables, context_lens, out, part_acc, part_max, part_sum,
+        scale * LOG2E, q.stride(0), q.stride(1), *new[3:], k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), block_tables.stride(0), nh, GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=hd, PAGE=k_cache.shape[1],
+        BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=splits, ROPE=new_kv is not None,
         EXACT_FP32=_exact_fp32_dot(q.dtype), num_warps=4, num_stages=3)
     if splits > 1:
         _decode_merge_kernel[(b * nh,)](part_acc, part_max, part_sum, out, NUM_SPLITS=splits,
@@ -354,10 +396,10 @@ def prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables, 
 # What the model calls: the Triton kernels where they apply, the references elsewhere.
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
+def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv=None):
     if triton_runs(q):
-        return decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
-    return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv)
+    return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv)
 
 
 def prefill_attention(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale):

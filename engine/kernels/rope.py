@@ -4,7 +4,11 @@ The reference builds cos/sin from the inverse frequencies; the fused kernel reco
 from the positions in registers, so no cos/sin table is stored or read. It rotates q and k in place
 (they may be strided views of the fused qkv GEMM output) in one launch: one program per token in
 prefill, one per token and DECODE_HEADS heads at decode sizes. Given the paged KV cache, the same
-launch stores the rotated k and v at the step's slots (attention.write_kv_ref's job, fused).
+launch stores the rotated k and v at the step's slots (write_kv_ref's job, fused). The angle and
+rotation helpers are shared with the decode attention kernel, which rotates its rows itself.
+
+Paged KV cache layout (per layer): k_cache, v_cache [num_blocks, block_size, n_kv_heads, head_dim],
+block_size a power of two; a token's flat slot is block * block_size + row (`check_cache`).
 """
 from __future__ import annotations
 
@@ -12,7 +16,6 @@ import math
 
 import torch
 
-from engine.kernels.attention import check_cache, write_kv_ref
 from engine.kernels.platform import jit, triton_runs
 
 try:
@@ -20,6 +23,24 @@ try:
     import triton.language as tl
 except ImportError:  # no Triton: the reference runs
     triton = None
+
+
+def check_cache(k_cache, v_cache, head_dim):
+    """The paged KV cache's layout, as every kernel that reads or writes it takes it."""
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache need one layout with unit stride along head_dim")
+    page = k_cache.shape[1]
+    if page & (page - 1):
+        raise ValueError(f"block_size {page} is not a power of two")
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"head_dim {head_dim}: the attention kernels need a power of two >= 16")
+
+
+def write_kv_ref(k, v, k_cache, v_cache, slot_mapping):
+    """k, v: [T, n_kv, hd] -> rows slot_mapping[t] of the flattened caches."""
+    nb, bs, nkv, hd = k_cache.shape
+    k_cache.view(nb * bs, nkv, hd).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(nb * bs, nkv, hd).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
@@ -57,13 +78,37 @@ def apply_rope_ref(q, k, positions, inv_freq):
 
 
 @jit
+def rope_cos_sin(pos, inv_freq_ptr, d, half):
+    """cos and sin (fp32) of the angles pos * inv_freq[d] (d < half), computed in registers: what
+    the RoPE kernel and the decode attention kernel (which rotates its own q and k) share, so both
+    rotate to the same bits."""
+    # the angle is pos * inv_freq rounded to fp32, exactly as the reference forms it; then reduced
+    # to [-pi, pi] so the hardware sin/cos see the range where they are accurate
+    angle = pos.to(tl.float32) * tl.load(inv_freq_ptr + d, mask=d < half, other=0.0)
+    # minus the nearest multiple of 2*pi, with 2*pi split in three parts (Cody-Waite): the first has
+    # 8 significant bits, so turns * 6.28125 is exact for the < 2^16 turns that positions up to
+    # ~400k reach, and fma keeps the reduced angle within ~1e-6 of the exact fp32 one
+    turns = tl.floor(angle * 0.15915494309189535 + 0.5)
+    reduced = tl.fma(-turns, 6.28125, angle)
+    reduced = tl.fma(-turns, 0.0019353071693331003, reduced)
+    reduced = tl.fma(-turns, 1.0253131677018246e-11, reduced)
+    return tl.cos(reduced), tl.sin(reduced)
+
+
+@jit
+def rope_rotate(x1, x2, cos, sin):
+    """The rotate-half pair: (x1, x2) = the first and second halves of a head, in fp32."""
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@jit
 def _rope_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                  q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
                  c_stride_block, c_stride_row, c_stride_head, n_q_heads, n_k_heads, n_heads, half,
                  HEADS: tl.constexpr, HALF: tl.constexpr, WRITE_KV: tl.constexpr, PAGE: tl.constexpr):
     """Token program_id(0), heads HEADS * program_id(1) .. of [q heads, k heads, v heads (WRITE_KV
     only)]: q and k rotated in place; with WRITE_KV the rotated k and v also stored at the token's
-    slot of the paged cache (what attention.write_kv_ref does, without a kernel of its own)."""
+    slot of the paged cache (what write_kv_ref does, without a kernel of its own)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)[:, None]
     d = tl.arange(0, HALF)[None, :]
@@ -76,20 +121,10 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, k_cache_ptr, v_cach
     x1 = tl.load(at, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(at + half, mask=mask, other=0.0).to(tl.float32)
 
-    # the angle is pos * inv_freq rounded to fp32, exactly as the reference forms it; then reduced
-    # to [-pi, pi] so the hardware sin/cos see the range where they are accurate
-    angle = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + d, mask=d < half, other=0.0)
-    # minus the nearest multiple of 2*pi, with 2*pi split in three parts (Cody-Waite): the first has
-    # 8 significant bits, so turns * 6.28125 is exact for the < 2^16 turns that positions up to
-    # ~400k reach, and fma keeps the reduced angle within ~1e-6 of the exact fp32 one
-    turns = tl.floor(angle * 0.15915494309189535 + 0.5)
-    reduced = tl.fma(-turns, 6.28125, angle)
-    reduced = tl.fma(-turns, 0.0019353071693331003, reduced)
-    reduced = tl.fma(-turns, 1.0253131677018246e-11, reduced)
-    cos = tl.where(is_v, 1.0, tl.cos(reduced))   # v heads pass through unrotated
-    sin = tl.where(is_v, 0.0, tl.sin(reduced))
-    y1 = x1 * cos - x2 * sin
-    y2 = x2 * cos + x1 * sin
+    cos, sin = rope_cos_sin(tl.load(pos_ptr + t), inv_freq_ptr, d, half)
+    cos = tl.where(is_v, 1.0, cos)   # v heads pass through unrotated
+    sin = tl.where(is_v, 0.0, sin)
+    y1, y2 = rope_rotate(x1, x2, cos, sin)
 
     in_place = mask & (h < n_qk)
     tl.store(at, y1.to(q_ptr.dtype.element_ty), mask=in_place)
@@ -114,7 +149,7 @@ DECODE_TOKENS = 64
 def apply_rope_triton(q, k, positions, inv_freq, kv_write=None):
     """Rotates q [T, nh, hd] and k [T, nkv, hd] in place (any token/head strides, unit stride along
     hd) and returns them. kv_write = (v, k_cache, v_cache, slot_mapping): also store the rotated k
-    and v at their cache slots, as attention.write_kv_ref would."""
+    and v at their cache slots, as write_kv_ref would."""
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("apply_rope needs unit stride along head_dim")
     if q.dtype != k.dtype:   # one kernel pointer walks both (the slices of one qkv output)
