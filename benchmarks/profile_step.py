@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 
@@ -76,12 +77,18 @@ def main(argv=None) -> None:
     run(engine, todo("warm"))
     if args.host:
         return profile_host(engine, todo("prof"), what, args)
+    # The same work once more without the profiler: its wall time against the kernels' sum says
+    # whether the GPU was kept busy (the host queues ahead of it) or waited for the host.
+    t0 = time.perf_counter()
+    run(engine, todo("timed"))
+    wall = (time.perf_counter() - t0) * 1e6
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         run(engine, todo("prof"))
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.self_device_time_total for e in events) or 1
     print(f"# {args.model} weights={args.weights} sparse_ffn={args.sparse_ffn}: {what}; "
-          f"GPU time {total / 1e3:.1f} ms")
+          f"GPU time {total / 1e3:.1f} ms, wall {wall / 1e3:.1f} ms unprofiled "
+          f"(kernels busy {100 * total / wall:.0f}% of it)")
     print("| kernel | calls | ms | share |\n|---|---:|---:|---:|")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:args.top]:
         print(f"| {e.key[:90]} | {e.count} | {e.self_device_time_total / 1e3:.2f} "
@@ -91,7 +98,6 @@ def main(argv=None) -> None:
 def profile_host(engine: Engine, requests, what: str, args) -> None:
     import cProfile
     import pstats
-    import time
     steps0, host0 = engine.stats["steps"], engine.stats["host_s"]
     profiler = cProfile.Profile()
     t0 = time.perf_counter()
