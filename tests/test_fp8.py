@@ -146,7 +146,7 @@ def test_small_m_kernel_in_triton_interpreter():
     """, {"TRITON_INTERPRET": "1"})
     errs = [float(line.split()[-1]) for line in out.strip().splitlines()]
     # The interpreter truncates fp32 -> bf16 (the GPU rounds to nearest): allow twice the rounding.
-    # (The last case repeats the one before it: the split-K counters must be back at zero.)
+    # (The last case repeats the one before it: split-K scratch must be back at zero.)
     assert len(errs) == 5 and all(e < 2 * BF16_ROUNDING for e in errs), out
 
 
@@ -351,7 +351,7 @@ def test_small_m_kernel_matches_float64(m):
     for j, (n, k) in enumerate(LLAMA_NK[:3] + [(576, 576)]):
         qx, xs, qw, ws = gpu_operands(m, n, k, seed=100 + m * 10 + j)
         res = torch.randn(m, n, device="cuda").bfloat16() if j % 2 else None
-        # Each split twice: the split-K counters must be back at zero.
+        # Each split twice: the split-K accumulator and counters must be back at zero.
         for split in (None, 2, 2, 4, 4, 8) if k % 2048 == 0 else (None,):
             check_kernel(lambda out: fp8_triton.fp8_gemm_small_m(qx, xs, qw, ws, res, split=split, out=out),
                          qx, xs, qw, ws, res)

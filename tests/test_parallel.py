@@ -344,8 +344,10 @@ GPU_CONFIGS = {"bf16": {}, "fp8": {"weights": "fp8"}, "nvfp4": {"weights": "nvfp
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_nccl_world_size_one_captures_graphs_and_gives_the_same_tokens(fmt, monkeypatch):
     """The distributed path on one GPU: NCCL, the all-reduces and the logits gather captured in the
-    decode graphs; every format gives the plain engine's tokens and logits, bit for bit (the same
-    kernels run, and the split-K decode GEMMs sum their partials in a fixed order)."""
+    decode graphs; every format gives the plain engine's tokens (the same kernels run). The split-K
+    decode GEMMs add their partial sums with atomics, in no fixed order, so two runs of the same
+    engine may round a bf16 activation differently: the continuations may part at a near-tie of
+    random weights' flat logits (tol), and the logits of a prompt agree to bf16 rounding."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from engine import LLM
@@ -364,8 +366,8 @@ def test_nccl_world_size_one_captures_graphs_and_gives_the_same_tokens(fmt, monk
         logits = llm.logits(list(range(100, 400)))
     finally:
         llm.shutdown()
-    assert [o.token_ids for o in out] == [r.token_ids for r in ref]
-    assert torch.equal(logits, ref_logits)
+    assert_same_greedy(out, ref, tol=5e-2)
+    assert (logits - ref_logits).norm() / ref_logits.norm() < 1e-2
 
 
 def _two_gpus():

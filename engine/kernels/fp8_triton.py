@@ -85,9 +85,8 @@ def _triton_kernels():
         out_offs = offs_m[None, :] * N + offs_n[:, None]
         mask = offs_m[None, :] < M
         if SPLIT_K > 1:
-            slot = M * N
-            if split_k_arrive(acc, acc_ptr + out_offs + pid_k * slot, mask, count_ptr + pid_n, SPLIT_K):
-                acc = split_k_take(acc_ptr + out_offs, slot, mask, count_ptr + pid_n, SPLIT_K)
+            if split_k_arrive(acc, acc_ptr + out_offs, mask, count_ptr + pid_n, SPLIT_K):
+                acc = split_k_take(acc_ptr + out_offs, mask, count_ptr + pid_n)
                 y = acc * tl.load(ws_ptr + offs_n)[:, None] * tl.load(xs_ptr + offs_m, mask=offs_m < M, other=0.0)[None, :]
                 if HAS_RESIDUAL:
                     y += tl.load(res_ptr + out_offs, mask=mask).to(tl.float32)
@@ -131,7 +130,7 @@ def small_m_config(n: int, k: int, num_sms: int) -> dict:
 def fp8_gemm_small_m(qx, x_scale, qw, w_scale, residual=None, split: int | None = None,
                      out: torch.Tensor | None = None, config: dict | None = None):
     """bf16 [M, N] for M <= 16 on CUDA: weight streaming, one launch (grid: N tiles x K splits;
-    split-K partial sums meet in engine/kernels/split_k.py's scratch, summed in split order).
+    split-K partial sums meet in engine/kernels/split_k.py's accumulator).
 
     split overrides the automatic K split (tests cover several), config the whole launch
     (small_m_config's keys, for the benchmark's sweep); out is written in place if given.
@@ -152,7 +151,7 @@ def fp8_gemm_small_m(qx, x_scale, qw, w_scale, residual=None, split: int | None 
     if out is None:
         out = torch.empty(m, n, device=qx.device, dtype=torch.bfloat16)
     tiles = n // cfg["BLOCK_N"]
-    acc, count = split_k_buffers(qx.device, split * m * n, tiles) if split > 1 else (out, out)
+    acc, count = split_k_buffers(qx.device, m * n, tiles) if split > 1 else (out, out)
     res = residual.contiguous() if residual is not None else out
     stream_kernel[(tiles, split)](
         qx.contiguous(), x_scale.float().contiguous(), qw.contiguous(), w_scale.float().contiguous(),

@@ -331,10 +331,10 @@ def stream_steps(MMA_STEP: gl.constexpr, words_ptrs, side_ptrs, x_ptrs, acc,
 
 
 @gluon.jit
-def _split_k_arrive(acc, slot_ptrs, mask, counter_ptr, SPLIT_K: gl.constexpr):
-    """engine/kernels/split_k.py's split_k_arrive in Gluon: store the partial sums in this
-    program's slot, count the arrival; true in the program that arrives last."""
-    gl.store(slot_ptrs, acc, mask=mask)
+def _split_k_arrive(acc, acc_ptrs, mask, counter_ptr, SPLIT_K: gl.constexpr):
+    """engine/kernels/split_k.py's split_k_arrive in Gluon: add the partial sums, count the
+    arrival; true in the program that arrives last."""
+    gl.atomic_add(acc_ptrs, acc, mask=mask, sem="relaxed")
     _cta_barrier()
     arrived = gl.atomic_add(counter_ptr, 1, sem="acq_rel")
     _cta_barrier()
@@ -342,11 +342,11 @@ def _split_k_arrive(acc, slot_ptrs, mask, counter_ptr, SPLIT_K: gl.constexpr):
 
 
 @gluon.jit
-def _split_k_take(first_ptrs, slot, mask, counter_ptr, SPLIT_K: gl.constexpr):
-    """split_k_take in Gluon: the slots summed in split order; resets the counter."""
-    total = gl.load(first_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-    for s in gl.static_range(1, SPLIT_K):
-        total += gl.load(first_ptrs + s * slot, mask=mask, other=0.0, cache_modifier=".cg")
+def _split_k_take(acc_ptrs, mask, counter_ptr):
+    """split_k_take in Gluon: the summed accumulator; leaves it and the counter zero."""
+    total = gl.load(acc_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    _cta_barrier()
+    gl.store(acc_ptrs, gl.zeros_like(total), mask=mask)
     gl.store(counter_ptr, 0)
     return total
 
@@ -356,9 +356,9 @@ def store_rows(ROW_SCALE: gl.constexpr, acc, scale_ptr, n0, pid_n, M, N, out_ptr
                count_ptr, BLOCK_N: gl.constexpr, MP: gl.constexpr, SPLIT_K: gl.constexpr,
                SWIGLU_WN: gl.constexpr = 0):
     """y[:M, n0 : n0 + BLOCK_N] = ROW_SCALE(total, scale_ptr, rows, N), total the sum of the warps'
-    K slices (through shared memory when WK > 1). With SPLIT_K > 1 the programs of a row tile store
-    their partial sums in acc_ptr's slots (SPLIT_K x [M, N] fp32, split = program_id(1)) and the
-    last one sums them in split order, writes y and resets its counter in count_ptr. SWIGLU_WN > 0: the rows are gate and up rows as `_weight_rows` maps them
+    K slices (through shared memory when WK > 1). With SPLIT_K > 1 the programs of a row tile add
+    into acc_ptr (fp32 [M, N], zero on entry) and the last one writes y and zeroes acc_ptr and its
+    counter in count_ptr. SWIGLU_WN > 0: the rows are gate and up rows as `_weight_rows` maps them
     with WN = SWIGLU_WN, and y[:M, n0/2 : (n0 + BLOCK_N)/2] = silu(gate) * up, N/2 wide (the
     split-K scratch is then indexed by program row, programs x BLOCK_N wide)."""
     mma: gl.constexpr = acc.type.layout
@@ -375,12 +375,10 @@ def store_rows(ROW_SCALE: gl.constexpr, acc, scale_ptr, n0, pid_n, M, N, out_ptr
         width = N
         scratch_mask = mask
     if SPLIT_K > 1:
-        first = acc_ptr + cols_o[None, :] * width + rows_o[:, None]
-        slot = M * width
-        last = _split_k_arrive(total, first + gl.program_id(1) * slot, scratch_mask, count_ptr + pid_n,
-                               SPLIT_K)
+        acc_ptrs = acc_ptr + cols_o[None, :] * width + rows_o[:, None]
+        last = _split_k_arrive(total, acc_ptrs, scratch_mask, count_ptr + pid_n, SPLIT_K)
         if last:
-            total = _split_k_take(first, slot, scratch_mask, count_ptr + pid_n, SPLIT_K)
+            total = _split_k_take(acc_ptrs, scratch_mask, count_ptr + pid_n)
     else:
         last = True
     if last:
@@ -425,8 +423,8 @@ def nvfp4_decode_kernel(
 ):
     """y[M, N] = x @ W^T for M <= MP (8 or 16: one or two n8 token tiles). words_ptr is the packed
     weight as int32 [N, K/8], scale_ptr its e4m3 block scales [N, K/16] (read WPT/2 at a time);
-    with SPLIT_K > 1 the programs of a row tile meet in acc_ptr and count_ptr as `store_rows`
-    says. TILED: the weight
+    with SPLIT_K > 1 the programs of a row tile add into acc_ptr (fp32 [M, N], zero on entry) and
+    the last one writes y and zeroes acc_ptr and its counter in count_ptr. TILED: the weight
     stored in tiles of 16 rows x 128 K (engine/formats/nvfp4.py; WPT 4 or 8), where a row's next
     K step lies 16 rows further on. SWIGLU: W is a fused gate/up projection (rows [0, N/2) gate,
     [N/2, N) up) and y [M, N/2] = silu(gate) * up, formed in registers before the one store (each
@@ -511,7 +509,7 @@ def decode_matmul(x: torch.Tensor, w, out: torch.Tensor, config: dict | None = N
                          f"per warp (N={n}, {row_blocks})")
     split = cfg["SPLIT_K"]
     tiles = triton.cdiv(n // 2, cfg["BLOCK_N"] // 2) if swiglu else triton.cdiv(n, cfg["BLOCK_N"])
-    acc, count = (split_k_buffers(x.device, split * m * tiles * cfg["BLOCK_N"], tiles) if split > 1
+    acc, count = (split_k_buffers(x.device, m * tiles * cfg["BLOCK_N"], tiles) if split > 1
                   else (out, out))
     nvfp4_decode_kernel[(tiles, split)](
         x, w.packed.view(torch.int32), w.block_scale.view(torch.uint8), w.tensor_scale, out, acc,

@@ -258,9 +258,8 @@ def _small_m_kernel(
     SPLIT_K: tl.constexpr, USE_PTX: tl.constexpr, INTERPRETER: tl.constexpr, TILED: tl.constexpr,
 ):
     """y[M, N] = x @ W^T for M <= BLOCK_M: acc^T [BLOCK_N, BLOCK_M] = W_tile @ x_tile^T, both in
-    the logical K order of _logical_k. With SPLIT_K > 1 the programs of a tile store their
-    partial sums in acc_ptr's slots (SPLIT_K x [M, N] fp32) and the last one sums them in split
-    order, writes y and resets its counter.
+    the logical K order of _logical_k. With SPLIT_K > 1 the programs of a tile add into acc_ptr
+    (fp32 [M, N], zero on entry) and the last one writes y and zeroes acc_ptr and its counter.
     USE_PTX is only correct where the decode's result has the MMA operand layout
     (_ptx_decode_layout_ok checks the compiled kernel); elsewhere the arithmetic decode runs."""
     pid_n = tl.program_id(0)
@@ -314,10 +313,9 @@ def _small_m_kernel(
     if SPLIT_K == 1:
         tl.store(out_ptrs, (acc * scale_out).to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        first = acc_ptr + offs_m[None, :] * N + offs_n[:, None]
-        slot = M * N
-        if split_k_arrive(acc, first + pid_k * slot, mask, count_ptr + pid_n, SPLIT_K):
-            total = split_k_take(first, slot, mask, count_ptr + pid_n, SPLIT_K)
+        acc_ptrs = acc_ptr + offs_m[None, :] * N + offs_n[:, None]
+        if split_k_arrive(acc, acc_ptrs, mask, count_ptr + pid_n, SPLIT_K):
+            total = split_k_take(acc_ptrs, mask, count_ptr + pid_n)
             tl.store(out_ptrs, (total * scale_out).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -421,7 +419,7 @@ def decode_gemm(x: torch.Tensor, w, out: torch.Tensor, config: dict | None = Non
     _check_tiled_depth(w, cfg["BLOCK_K"])
     split = cfg["SPLIT_K"]
     tiles = triton.cdiv(n, cfg["BLOCK_N"])
-    acc, count = split_k_buffers(x.device, split * m * n, tiles) if split > 1 else (out, out)
+    acc, count = split_k_buffers(x.device, m * n, tiles) if split > 1 else (out, out)
     args = (x, w.packed.view(torch.int32), w.block_scale.view(torch.uint8), w.tensor_scale, out,
             acc, count, m, n, x.stride(0), out.stride(0))
     grid = (tiles, split)

@@ -331,7 +331,7 @@ def launch(x, values, meta_mma, scale, cfg, out, swiglu=False):
     m, k = x.shape
     n = values.shape[0]
     tiles = -(-n // bn)
-    acc, count = split_k_buffers(x.device, split_k * m * n, tiles) if split_k > 1 else (out, out)
+    acc, count = split_k_buffers(x.device, m * n, tiles) if split_k > 1 else (out, out)
     words = values.view(torch.int32)  # one per group: its two kept values
     sparse24_sp_kernel[(tiles, split_k)](
         x.view(torch.int32), words, meta_mma, scale if scale is not None else words, out, acc, count, m, n,

@@ -103,8 +103,8 @@ def sparse24_mma_kernel(
 ):
     """y[M, N] = x @ W^T (times scale[N]), for M <= BLOCK_M per program row. w_ptr: one word per
     group, int32 (two bf16) or int16 (two e4m3, FP8_VALUES). With SPLIT_K > 1 the programs of a
-    tile store their partial sums in acc_ptr's slots and the last one sums them in split order,
-    writes y and resets its counter (engine/kernels/split_k.py). USE_PTX only where the decode's result has the
+    tile add into acc_ptr (fp32, zero on entry) and the last one writes y and re-zeroes acc_ptr
+    and its counter (engine/kernels/split_k.py). USE_PTX only where the decode's result has the
     MMA's A-operand layout (checked on the compiled kernel, `_mma_layout_ok`); elsewhere
     the same function in Triton arithmetic."""
     pid_n = tl.program_id(0)
@@ -184,11 +184,10 @@ def sparse24_mma_kernel(
     if SPLIT_K == 1:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
-        first = acc_ptr + offs_m[None, :] * N + offs_n[:, None]
-        slot = M * N
+        acc_ptrs = acc_ptr + offs_m[None, :] * N + offs_n[:, None]
         counter_ptr = count_ptr + pid_m * tl.num_programs(0) + pid_n
-        if split_k_arrive(acc, first + pid_k * slot, mask, counter_ptr, SPLIT_K):
-            total = split_k_take(first, slot, mask, counter_ptr, SPLIT_K)
+        if split_k_arrive(acc, acc_ptrs, mask, counter_ptr, SPLIT_K):
+            total = split_k_take(acc_ptrs, mask, counter_ptr)
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -200,7 +199,7 @@ def mma_gemm(x, values, meta, scale, config, out):
     fp8 = values.element_size() == 1
     words = values.view(torch.int16 if fp8 else torch.int32)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split_k)
-    acc, count = split_k_buffers(x.device, split_k * m * n, grid[0] * grid[1]) if split_k > 1 else (out, out)
+    acc, count = split_k_buffers(x.device, m * n, grid[0] * grid[1]) if split_k > 1 else (out, out)
     args = (x, words, meta, scale if scale is not None else words, out, acc, count, m, n, k,
             x.stride(0), words.stride(0), meta.stride(0), out.stride(0))
     const = dict(HAS_SCALE=scale is not None, FP8_VALUES=fp8, SPLIT_K=split_k, EVEN_K=k % bk == 0,

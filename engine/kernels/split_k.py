@@ -2,22 +2,19 @@
 
 A decode GEMM (M <= 16) whose N alone leaves SMs idle splits K across programs. Instead of a
 zeroed fp32 buffer plus a second kernel (a memset, the GEMM, a cast: three launches, which cost
-more than the GEMM itself at 4096-wide shapes), each program stores its partial sums in its own
-slot of a persistent fp32 scratch (one slot per K split), counts its arrival per output tile, and
-the last program of a tile sums the slots in split order, writes the output and resets the
-counter. The fixed order makes the result the same bits on every run, which partial sums added
-with atomics (in arrival order) are not once three or more splits meet.
+more than the GEMM itself at 4096-wide shapes), the kernels add their partial sums into a
+persistent fp32 accumulator with atomics, count the arrivals per output tile, and the last program
+of a tile writes the output and returns the accumulator and its counter to zero.
 
-`split_k_arrive` and `split_k_take` are that protocol, for the kernels to call (`first` the
-partials' addresses in slot 0, `slot` the distance between slots, at least M x N):
+`split_k_arrive` and `split_k_take` are that protocol, for the kernels to call:
 
-    if split_k_arrive(acc, first + pid_k * slot, mask, counter_ptr, SPLIT_K):   # came last
-        total = split_k_take(first, slot, mask, counter_ptr, SPLIT_K)       # the ordered sum
+    if split_k_arrive(acc, acc_ptrs, mask, counter_ptr, SPLIT_K):   # this program came last
+        total = split_k_take(acc_ptrs, mask, counter_ptr)           # the sum; scratch zero again
         ... write the output from `total` ...
 
 The buffers are allocated once per device (grown, never freed, so a CUDA graph captured with
-them stays valid); the counters are zero between calls. Two split-K calls running concurrently on
-different streams would share them: the engine runs its GEMMs on one stream.
+them stays valid) and are zero between calls. Two split-K calls running concurrently on different
+streams would share them: the engine runs its GEMMs on one stream.
 """
 from __future__ import annotations
 
@@ -30,7 +27,7 @@ _RETIRED: list = []  # outgrown buffers, kept alive for graphs captured with the
 
 
 def split_k_buffers(device: torch.device, floats: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 scratch of at least `floats` (SPLIT_K slots), int32 counters of at least `tiles` zeros)."""
+    """(fp32 accumulator of at least `floats` zeros, int32 counters of at least `tiles` zeros)."""
     acc, count = _BUFFERS.get(device, (None, None))
     if acc is None or acc.numel() < floats or count.numel() < tiles:
         if acc is not None:
@@ -44,11 +41,11 @@ def split_k_buffers(device: torch.device, floats: int, tiles: int) -> tuple[torc
 
 
 @triton.jit
-def split_k_arrive(acc, slot_ptrs, mask, counter_ptr, SPLIT_K: tl.constexpr):
-    """Store this program's partial sums `acc` at `slot_ptrs` (its K split's slot) and count its
+def split_k_arrive(acc, acc_ptrs, mask, counter_ptr, SPLIT_K: tl.constexpr):
+    """Add this program's partial sums `acc` into the accumulator at `acc_ptrs` and count its
     arrival at its tile's counter; true in the program that arrives last."""
-    tl.store(slot_ptrs, acc, mask=mask)
-    # Every thread's stores come before the counter's release (the barrier), and the last
+    tl.atomic_add(acc_ptrs, acc, mask=mask, sem="relaxed")
+    # Every thread's adds come before the counter's release (the barrier), and the last
     # program's reads after its acquire.
     tl.debug_barrier()
     arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
@@ -57,11 +54,12 @@ def split_k_arrive(acc, slot_ptrs, mask, counter_ptr, SPLIT_K: tl.constexpr):
 
 
 @triton.jit
-def split_k_take(first_ptrs, slot, mask, counter_ptr, SPLIT_K: tl.constexpr):
-    """In the last program of a tile: the sum of the SPLIT_K slots in split order; resets the
-    counter."""
-    total = tl.load(first_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-    for s in tl.static_range(1, SPLIT_K):
-        total += tl.load(first_ptrs + s * slot, mask=mask, other=0.0, cache_modifier=".cg")
+def split_k_take(acc_ptrs, mask, counter_ptr):
+    """In the last program of a tile: the summed accumulator; leaves it and the counter zero."""
+    total = tl.load(acc_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    # The zeroing store may run in another layout than the load (other threads, same addresses):
+    # every read first.
+    tl.debug_barrier()
+    tl.store(acc_ptrs, tl.zeros_like(total), mask=mask)
     tl.store(counter_ptr, 0)
     return total
