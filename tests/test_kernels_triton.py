@@ -234,12 +234,17 @@ def block_tables_for(context_lens, block_size, num_blocks):
     return tables.to(DEVICE)
 
 
-def check_decode(context_lens, nh, nkv, hd, dtype, num_splits):
-    block_size = 16
+def decode_cache(context_lens, nkv, hd, dtype, block_size=16):
+    """A random paged cache holding the sequences' context_lens keys in scattered blocks: (k_cache,
+    v_cache, block tables, int32 context lengths)."""
     num_blocks = sum((c + block_size - 1) // block_size for c in context_lens) + 3
     k_cache, v_cache = paged_cache(num_blocks, block_size, nkv, hd, dtype)
     tables = block_tables_for(context_lens, block_size, num_blocks)
-    ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    return k_cache, v_cache, tables, torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+
+
+def check_decode(context_lens, nh, nkv, hd, dtype, num_splits):
+    k_cache, v_cache, tables, ctx = decode_cache(context_lens, nkv, hd, dtype)
     b = len(context_lens)
     q = torch.randn(b, nh + 2, hd, device=DEVICE, dtype=dtype)[:, 1:nh + 1]   # strided over heads
     scale = hd ** -0.5
@@ -253,10 +258,7 @@ def check_decode_rope(context_lens, nh, nkv, hd, dtype, num_splits):
     v stored at position context_len - 1. Against the reference (output and caches), and bit for bit
     against what it replaces: the RoPE kernel storing K/V, then the kernel without new_kv."""
     block_size = 16
-    num_blocks = sum((c + block_size - 1) // block_size for c in context_lens) + 3
-    k_cache, v_cache = paged_cache(num_blocks, block_size, nkv, hd, dtype)
-    tables = block_tables_for(context_lens, block_size, num_blocks)
-    ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    k_cache, v_cache, tables, ctx = decode_cache(context_lens, nkv, hd, dtype, block_size)
     b = len(context_lens)
     qkv = torch.randn(b, (nh + 2 * nkv) * hd, device=DEVICE, dtype=dtype)   # as the qkv GEMM writes it
 
