@@ -4,6 +4,7 @@
     python benchmarks/profile_step.py --model llama-3.1-8b --decode 64
     python benchmarks/profile_step.py --model llama-3.1-8b --weights nvfp4 --graph 1,16
     python benchmarks/profile_step.py --model llama-3.1-8b --sparse-ffn magnitude --prefill 4x2048 --host
+    python benchmarks/profile_step.py --model llama-3.1-8b --prefill 1x32768 --step-tokens 8192
 
 Builds the engine (random weights for presets), runs the step once to warm up (compilation,
 autotuning), then profiles the same step again with torch.profiler and prints the CUDA kernels
@@ -49,6 +50,9 @@ def main(argv=None) -> None:
     ap.add_argument("--sparse-ffn", default=None)
     ap.add_argument("--lm-head", default=None, help="the LM head's format (default: the engine's rule)")
     ap.add_argument("--prefill", default="4x2048", help="SEQSxLEN prompts, one prefill step")
+    ap.add_argument("--step-tokens", type=int, default=None,
+                    help="--prefill: tokens per step (default: all the prompts in one step); fewer "
+                         "prefill the prompts in chunks, each later chunk attending to its cached prefix")
     ap.add_argument("--decode", type=int, default=0, help="profile decode steps at this batch instead")
     ap.add_argument("--graph", default=None, help="profile the captured decode graph at these batch sizes")
     ap.add_argument("--context", type=int, default=512, help="--graph: tokens in each sequence's KV cache")
@@ -61,7 +65,8 @@ def main(argv=None) -> None:
         return profile_graphs(args, [int(b) for b in args.graph.split(",")])
     seqs, length = (int(v) for v in args.prefill.split("x"))
     engine = Engine(EngineConfig(model=args.model, weights=args.weights, sparse_ffn=args.sparse_ffn, lm_head=args.lm_head,
-                                 kv_cache_tokens=65536, max_num_batched_tokens=max(8192, seqs * length)))
+                                 kv_cache_tokens=max(65536, 2 * seqs * length), max_model_len=max(8192, length + 16),
+                                 max_num_batched_tokens=args.step_tokens or max(8192, seqs * length)))
     g = torch.Generator().manual_seed(0)
 
     def requests(tag, n, max_tokens):
@@ -72,7 +77,7 @@ def main(argv=None) -> None:
         what = f"{args.decode} decode steps of batch {args.decode}"
         todo = lambda tag: requests(tag, args.decode, 16)   # noqa: E731
     else:
-        what = f"prefill of {seqs} x {length} tokens"
+        what = f"prefill of {seqs} x {length} tokens" + (f" in steps of {args.step_tokens}" if args.step_tokens else "")
         todo = lambda tag: requests(tag, seqs, 1)   # noqa: E731
     run(engine, todo("warm"))
     if args.host:

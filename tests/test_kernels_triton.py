@@ -393,6 +393,12 @@ def test_prefill_attention_with_prefix(poisoned, nh, nkv, hd, dtype):
     check_prefill([1, 70, 40], [50, 32, 0], nh, nkv, hd, dtype)
 
 
+def test_prefill_attention_full_and_partial_tiles(poisoned):
+    # Prefixes of several whole key tiles plus a partial one (300 = 2 x 128 + 44), or exactly whole
+    # (256); chunks whose later query blocks see whole tiles of their own keys before the diagonal.
+    check_prefill([260, 129, 3], [300, 256, 0], 4, 2, 64, torch.float32)
+
+
 def test_prefill_attention_one_sequence(poisoned):
     check_prefill([45], [20], 4, 1, 64, torch.bfloat16)
 

@@ -18,7 +18,8 @@ whose `write_kv_ref` is the reference), and the decode kernel its own rows'.
   variable-length kernel over the packed rows (cu_seqlens), GQA native.
 - `prefill_attention`: packed variable-length sequences, one program per (block of queries of one
   sequence, query head), causal aligned bottom-right: the cached prefix is read from the paged
-  cache through the block table, this step's keys straight from k and v.
+  cache through the block table, this step's keys straight from k and v. Only the prefix's last
+  tile and the diagonal tiles are masked; every other key tile runs without masks.
 Block tables are int32 [num_seqs, max_blocks]; context lengths int32; block_size a power of two.
 """
 from __future__ import annotations
@@ -233,6 +234,43 @@ def _decode_merge_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
 
 
 @jit
+def _online_softmax_step(q, k, v, m, l, acc, scale_log2e, visible, MASKED: tl.constexpr,
+                         EXACT_FP32: tl.constexpr):
+    """One key tile of an online softmax (exp2 domain): the running max m, sum l and output acc,
+    updated with the keys `visible` [rows, keys] (MASKED) or with all of them."""
+    s = _dot(q, tl.trans(k), EXACT_FP32) * scale_log2e
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, EXACT_FP32)
+    return m_new, l, acc
+
+
+@jit
+def _cached_tile(k_cache_ptr, v_cache_ptr, table_ptr, n0, prefix, d, kv_head, c_stride_block, c_stride_row,
+                 c_stride_head, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, MASKED: tl.constexpr):
+    """Keys and values n0 .. n0 + BLOCK_N - 1 of a sequence's cached prefix, through its block
+    table (MASKED: those past `prefix` read as 0)."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        valid = n < prefix
+        page = tl.load(table_ptr + n // PAGE, mask=valid, other=0)
+    else:
+        page = tl.load(table_ptr + n // PAGE)
+    kv_rows = page.to(tl.int64) * c_stride_block + (n % PAGE) * c_stride_row + kv_head * c_stride_head
+    if MASKED:
+        k = tl.load(k_cache_ptr + kv_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + kv_rows[:, None] + d[None, :])
+        v = tl.load(v_cache_ptr + kv_rows[:, None] + d[None, :])
+    return k, v
+
+
+@jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
                     cu_seqlens_ptr, context_lens_ptr, block_ends_ptr, out_ptr, scale_log2e,
                     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
@@ -260,42 +298,40 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # Tiles that every query of the block sees whole run without masks; only the prefix's last
+    # tile and the diagonal tiles mask. The first tile holds a key every row sees (prefix key 0, or
+    # chunk key row0 <= row), so each row's running max is finite from the first tile on.
 
     # 1. the cached prefix, through the block table: every query sees all of it
-    for n0 in range(0, prefix, BLOCK_N):
+    full = prefix // BLOCK_N * BLOCK_N
+    for n0 in range(0, full, BLOCK_N):
+        k, v = _cached_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * bt_stride, n0, prefix, d,
+                            kv_head, c_stride_block, c_stride_row, c_stride_head, BLOCK_N, PAGE, False)
+        m, l, acc = _online_softmax_step(q, k, v, m, l, acc, scale_log2e, None, False, EXACT_FP32)
+    for n0 in range(full, prefix, BLOCK_N):   # the partial last tile
+        k, v = _cached_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * bt_stride, n0, prefix, d,
+                            kv_head, c_stride_block, c_stride_row, c_stride_head, BLOCK_N, PAGE, True)
         n = n0 + tl.arange(0, BLOCK_N)
-        valid = n < prefix
-        page = tl.load(block_tables_ptr + seq * bt_stride + n // PAGE, mask=valid, other=0)
-        kv_rows = page.to(tl.int64) * c_stride_block + (n % PAGE) * c_stride_row + kv_head * c_stride_head
-        k = tl.load(k_cache_ptr + kv_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        s = _dot(q, tl.trans(k), EXACT_FP32) * scale_log2e
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, EXACT_FP32)
-        m = m_new
+        m, l, acc = _online_softmax_step(q, k, v, m, l, acc, scale_log2e, (n < prefix)[None, :], True,
+                                         EXACT_FP32)
 
-    # 2. this chunk's own keys, causal: query i sees keys 0..i (key 0 is in the first tile, so every
-    #    row has a finite max from the first tile on)
-    hi = tl.minimum(q_len, (pid - first_block + 1) * BLOCK_M)
-    for n0 in range(0, hi, BLOCK_N):
+    # 2. this chunk's own keys: those before the block's first query row0 (BLOCK_N divides BLOCK_M)
+    #    are seen by every row, then the diagonal tiles, causal (query i sees keys 0..i)
+    row0 = (pid - first_block) * BLOCK_M
+    k_rows = k_ptr + q_start * k_stride_t + kv_head * k_stride_h + d[None, :]
+    v_rows = v_ptr + q_start * v_stride_t + kv_head * v_stride_h + d[None, :]
+    for n0 in range(0, row0, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        k = tl.load(k_rows + n[:, None] * k_stride_t)
+        v = tl.load(v_rows + n[:, None] * v_stride_t)
+        m, l, acc = _online_softmax_step(q, k, v, m, l, acc, scale_log2e, None, False, EXACT_FP32)
+    for n0 in range(row0, tl.minimum(q_len, row0 + BLOCK_M), BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         in_chunk = n < q_len
-        k = tl.load(k_ptr + (q_start + n)[:, None] * k_stride_t + kv_head * k_stride_h + d[None, :],
-                    mask=in_chunk[:, None], other=0.0)
-        s = _dot(q, tl.trans(k), EXACT_FP32) * scale_log2e
-        s = tl.where((n[None, :] <= rows[:, None]) & in_chunk[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + (q_start + n)[:, None] * v_stride_t + kv_head * v_stride_h + d[None, :],
-                    mask=in_chunk[:, None], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, EXACT_FP32)
-        m = m_new
+        k = tl.load(k_rows + n[:, None] * k_stride_t, mask=in_chunk[:, None], other=0.0)
+        v = tl.load(v_rows + n[:, None] * v_stride_t, mask=in_chunk[:, None], other=0.0)
+        m, l, acc = _online_softmax_step(q, k, v, m, l, acc, scale_log2e,
+                                         (n[None, :] <= rows[:, None]) & in_chunk[None, :], True, EXACT_FP32)
 
     o = acc / l[:, None]
     tl.store(out_ptr + ((q_start + rows) * n_heads + head)[:, None] * HEAD_DIM + d[None, :],
@@ -305,7 +341,14 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_
 LOG2E = 1.4426950408889634
 DECODE_BLOCK_N = 64       # keys per tile of the decode kernel
 PREFILL_BLOCK_M = 128     # queries per program of the prefill kernel
-PREFILL_BLOCK_N = 64      # keys per tile of the prefill kernel
+
+
+def prefill_tiling(dtype: torch.dtype) -> tuple[int, int]:
+    """Keys per tile (a divisor of PREFILL_BLOCK_M) and pipeline stages of the prefill kernel: 16-bit
+    K/V in 128-key tiles (fp32 ones, twice the bytes, in 64-key tiles to fit shared memory), 2
+    stages; the fastest of 64 / 128 keys x 2 / 3 / 4 stages over short prompts and long prefixes
+    together (BENCHMARKS.md)."""
+    return (64, 2) if dtype == torch.float32 else (128, 2)
 
 
 def _exact_fp32_dot(dtype):
@@ -382,13 +425,14 @@ def prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables, 
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
     block_ends = torch.cumsum((q_lens + PREFILL_BLOCK_M - 1) // PREFILL_BLOCK_M, 0).to(torch.int32)
     grid = (triton.cdiv(t, PREFILL_BLOCK_M) + n_seqs, nh)
+    block_n, stages = prefill_tiling(q.dtype)
     _prefill_kernel[grid](
         q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, block_ends, out,
         scale * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), n_seqs, nh,
         GROUP=nh // nkv, HEAD_DIM=hd, PAGE=k_cache.shape[1], BLOCK_M=PREFILL_BLOCK_M,
-        BLOCK_N=PREFILL_BLOCK_N, SEQS_PAD=triton.next_power_of_2(n_seqs),
-        EXACT_FP32=_exact_fp32_dot(q.dtype), num_warps=8 if hd > 64 else 4, num_stages=2)
+        BLOCK_N=block_n, SEQS_PAD=triton.next_power_of_2(n_seqs),
+        EXACT_FP32=_exact_fp32_dot(q.dtype), num_warps=8 if hd > 64 else 4, num_stages=stages)
     return out
 
 
