@@ -191,10 +191,16 @@ def bench_throughput(engine, requests):
                                for i, (ids, n_out) in enumerate(requests)])
     reqs = [(f"t{i}", ids, params(n_out)) for i, (ids, n_out) in enumerate(requests)]
     sync(engine.device)
+    before = engine.metrics()
     t = time.perf_counter()
     outs = run_to_completion(engine, reqs)
     sync(engine.device)
-    return sum(len(o) for o in outs) / (time.perf_counter() - t)
+    elapsed = time.perf_counter() - t
+    after = engine.metrics()
+    # Preempted sequences are recomputed later (engine/scheduler.py): work done twice.
+    return {"throughput_tok_s": sum(len(o) for o in outs) / elapsed,
+            "throughput_steps": after["steps"] - before["steps"],
+            "throughput_preemptions": after["preemptions"] - before["preemptions"]}
 
 
 def weight_bytes(engine) -> int:
@@ -318,7 +324,7 @@ def bench_config(name, overrides, args, device, shared):
         ctx = args.decode_prompt + args.decode_steps // 2
         ideal = (wbytes + b * ctx * kv_per_token) / shared["copy_bw"]
         row[f"decode_b{b}_roofline_pct"] = 100 * ideal / step_s
-    row["throughput_tok_s"] = bench_throughput(engine, throughput_requests(args, vocab))
+    row.update(bench_throughput(engine, throughput_requests(args, vocab)))
     if name == "dense" or any(k in overrides for k in GEMM_SWITCHES):   # the others leave the GEMMs alone
         shared.setdefault("points", []).extend(gemm_points(engine, name, args.gemm_ms))
     if device.type == "cuda":
@@ -471,7 +477,7 @@ def write_outputs(results, args):
 def markdown_table(results) -> str:
     rows = results["configs"]
     keys = ["prefill_tok_s"] + [f"decode_b{b}_tok_s" for b in results["args"]["decode_batches"]] + \
-           ["throughput_tok_s", "peak_mem_GB", "agreement", "logits_rel_err"] + \
+           ["throughput_tok_s", "throughput_preemptions", "peak_mem_GB", "agreement", "logits_rel_err"] + \
            [f"decode_b{b}_roofline_pct" for b in results["args"]["decode_batches"]] + \
            ["prefill_host_ms"] + [f"decode_b{b}_host_ms" for b in results["args"]["decode_batches"]]
     head = "| config | " + " | ".join(keys) + " |\n|" + "---|" * (len(keys) + 1) + "\n" if rows else ""
