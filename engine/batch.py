@@ -35,7 +35,7 @@ class Batch:
     prefill_max_len: int                 # the longest chunk, known on the host (never asked of the device)
     prefill_context_lens: torch.Tensor   # [P] int32: cached prefix + this chunk
     prefill_block_tables: torch.Tensor | None  # [P, max_blocks] int32
-    prefill_has_prefix: bool             # any chunk attends to keys computed in an earlier step
+    prefill_max_prefix: int              # the longest cached prefix a chunk attends to (0: none), from the host
     num_decodes: int
     decode_context_lens: torch.Tensor | None   # [D] int32
     decode_block_tables: torch.Tensor | None   # [D, max_blocks] int32
@@ -49,7 +49,7 @@ class BatchPlan:
     num_prefills: int
     num_prefill_tokens: int
     prefill_max_len: int
-    prefill_has_prefix: bool
+    prefill_max_prefix: int
     num_decodes: int
     num_fills: int                       # rows whose token comes from the previous step's samples
     num_sampled: int
@@ -57,7 +57,7 @@ class BatchPlan:
 
     def shape(self) -> tuple:
         """Everything but the fields' data and the sequences: what another rank needs (from_shape)."""
-        return (self.num_prefills, self.num_prefill_tokens, self.prefill_max_len, self.prefill_has_prefix, self.num_decodes, self.num_fills, self.num_sampled)
+        return (self.num_prefills, self.num_prefill_tokens, self.prefill_max_len, self.prefill_max_prefix, self.num_decodes, self.num_fills, self.num_sampled)
 
     @staticmethod
     def from_shape(shape: tuple) -> "BatchPlan":
@@ -72,7 +72,7 @@ class BatchPlan:
             kv_cache=kv_cache, num_prefills=p, num_prefill_tokens=self.num_prefill_tokens,
             prefill_offsets=dev["prefill_offsets"], prefill_max_len=self.prefill_max_len,
             prefill_context_lens=ctx[:p],
-            prefill_block_tables=tables[:p], prefill_has_prefix=self.prefill_has_prefix,
+            prefill_block_tables=tables[:p], prefill_max_prefix=self.prefill_max_prefix,
             num_decodes=self.num_decodes, decode_context_lens=ctx[p:], decode_block_tables=tables[p:],
             logits_indices=dev["logits_indices"], sampled=self.sampled)
 
@@ -114,7 +114,7 @@ def plan_batch(scheduled: list[ScheduledSeq], block_size: int, pending: dict | N
         fields["fill_rows"] = (fill_rows, torch.int64)
         fields["fill_src"] = (fill_src, torch.int64)
     return BatchPlan(fields, np_, offsets[np_], max(lens, default=0),
-                     any(s.start > 0 for s in prefills), len(decodes), len(fill_rows), len(sampled), sampled)
+                     max((s.start for s in prefills), default=0), len(decodes), len(fill_rows), len(sampled), sampled)
 
 
 def build_prefill_only(token_lists: list[list[int]], device) -> Batch:
@@ -132,6 +132,6 @@ def build_prefill_only(token_lists: list[list[int]], device) -> Batch:
         input_ids=input_ids, positions=torch.tensor(pos, dtype=torch.int64, device=device),
         slot_mapping=None, kv_cache=None, num_prefills=len(token_lists), num_prefill_tokens=len(ids),
         prefill_offsets=off, prefill_max_len=max(lens),
-        prefill_context_lens=ctx, prefill_block_tables=None, prefill_has_prefix=False,
+        prefill_context_lens=ctx, prefill_block_tables=None, prefill_max_prefix=0,
         num_decodes=0, decode_context_lens=None, decode_block_tables=None,
         logits_indices=torch.arange(len(ids), device=device), sampled=[])

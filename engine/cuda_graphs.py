@@ -40,7 +40,7 @@ class DecodeGraphs:
                      slot_mapping=self.slot_mapping[:b], kv_cache=self.kv_cache, num_prefills=0,
                      num_prefill_tokens=0, prefill_offsets=self.context_lens[:1], prefill_max_len=0,
                      prefill_context_lens=self.context_lens[:0], prefill_block_tables=self.block_tables[:0],
-                     prefill_has_prefix=False, num_decodes=b, decode_context_lens=self.context_lens[:b],
+                     prefill_max_prefix=0, num_decodes=b, decode_context_lens=self.context_lens[:b],
                      decode_block_tables=self.block_tables[:b], logits_indices=empty, sampled=[])
 
     @torch.inference_mode()

@@ -162,12 +162,13 @@ def attend(q, k, v, batch, k_cache, v_cache, scale, new_kv=None):
 
 
 def _prefill(q, k, v, batch, k_cache, v_cache, scale):
-    if not batch.prefill_has_prefix and attn_ops.flash_runs(q):
+    if not batch.prefill_max_prefix and attn_ops.flash_runs(q):
         # Packed variable-length prompts, no padding: one flash launch; the longest prompt's length
         # comes from the host (asked of the device, it would cost a sync).
         return attn_ops.prefill_attention_flash(q, k, v, batch.prefill_offsets, batch.prefill_max_len, scale)
     return attn_ops.prefill_attention(q, k, v, batch.prefill_offsets, batch.prefill_context_lens,
-                                      batch.prefill_block_tables, k_cache, v_cache, scale)
+                                      batch.prefill_block_tables, k_cache, v_cache, scale,
+                                      max_prefix=batch.prefill_max_prefix)
 
 
 class LlamaMLP(nn.Module):

@@ -107,7 +107,7 @@ def test_the_layout_of_a_mixed_step():
     plan = plan_batch(sched, bs, pending={pending: 5})
     f = {k: v for k, (v, _) in plan.fields.items()}
     assert (plan.num_prefills, plan.num_prefill_tokens, plan.num_decodes) == (2, 10, 2)
-    assert plan.prefill_max_len == 6 and plan.prefill_has_prefix
+    assert plan.prefill_max_len == 6 and plan.prefill_max_prefix > 0
     assert f["input_ids"] == [1, 2, 3, 4, 5, 6, 24, 25, 26, 27, 42, PLACEHOLDER]
     assert f["positions"] == [0, 1, 2, 3, 4, 5, 4, 5, 6, 7, 4, 2]
     assert f["slot_mapping"] == [28, 29, 30, 31, 12, 13, 4, 5, 6, 7, 32, 26]

@@ -336,7 +336,7 @@ def test_attention_layer_mixed_step_against_the_reference_path():
     batch = Batch(input_ids=torch.zeros(t, dtype=torch.int64, device=DEVICE), positions=pos, slot_mapping=slots,
                   kv_cache=cache, num_prefills=2, num_prefill_tokens=p,
                   prefill_offsets=torch.tensor([0, 5, 25], dtype=torch.int32, device=DEVICE), prefill_max_len=20,
-                  prefill_context_lens=lens[:2], prefill_block_tables=tables[:2], prefill_has_prefix=True,
+                  prefill_context_lens=lens[:2], prefill_block_tables=tables[:2], prefill_max_prefix=max(p for _, p in chunks),
                   num_decodes=3, decode_context_lens=lens[2:], decode_block_tables=tables[2:],
                   logits_indices=torch.arange(t, device=DEVICE), sampled=[])
     x = torch.randn(t, 128, device=DEVICE)
@@ -374,7 +374,8 @@ def check_prefill(q_lens, prefix_lens, nh, nkv, hd, dtype, with_cache=True):
         rope.write_kv_ref(k, v, k_cache, v_cache, slots)
     else:
         k_cache = v_cache = tables = None
-    out = attention.prefill_attention_triton(q, k, v, cu, ctx, tables, k_cache, v_cache, scale)
+    out = attention.prefill_attention_triton(q, k, v, cu, ctx, tables, k_cache, v_cache, scale,
+                                             max(prefix_lens))
     ref = attention.prefill_attention_ref(q, k, v, cu, ctx, tables, k_cache, v_cache, scale)
     assert_close(out, ref, dtype, "prefill")
 
@@ -397,6 +398,7 @@ def test_prefill_attention_full_and_partial_tiles(poisoned):
     # Prefixes of several whole key tiles plus a partial one (300 = 2 x 128 + 44), or exactly whole
     # (256); chunks whose later query blocks see whole tiles of their own keys before the diagonal.
     check_prefill([260, 129, 3], [300, 256, 0], 4, 2, 64, torch.float32)
+    check_prefill([260, 3], [2100, 0], 4, 2, 64, torch.bfloat16)   # a long prefix: 3 stages
 
 
 def test_prefill_attention_one_sequence(poisoned):
@@ -499,6 +501,7 @@ def test_gpu_decode_attention_batch64(poisoned):
 def test_gpu_prefill_attention_llama(poisoned):
     check_prefill([1, 200, 1000], [0, 0, 0], 32, 8, 128, torch.bfloat16)
     check_prefill([1, 200, 1000], [700, 100, 513], 32, 8, 128, torch.bfloat16)
+    check_prefill([300, 1000], [3000, 2048], 32, 8, 128, torch.bfloat16)   # long prefixes: 3 stages
 
 
 @pytest.mark.gpu

@@ -343,12 +343,17 @@ DECODE_BLOCK_N = 64       # keys per tile of the decode kernel
 PREFILL_BLOCK_M = 128     # queries per program of the prefill kernel
 
 
-def prefill_tiling(dtype: torch.dtype) -> tuple[int, int]:
-    """Keys per tile (a divisor of PREFILL_BLOCK_M) and pipeline stages of the prefill kernel: 16-bit
-    K/V in 128-key tiles (fp32 ones, twice the bytes, in 64-key tiles to fit shared memory), 2
-    stages; the fastest of 64 / 128 keys x 2 / 3 / 4 stages over short prompts and long prefixes
-    together (BENCHMARKS.md)."""
-    return (64, 2) if dtype == torch.float32 else (128, 2)
+LONG_PREFIX = 2048        # cached tokens from which the prefill kernel pipelines 3 key tiles deep
+
+
+def prefill_tiling(dtype: torch.dtype, max_prefix: int = 0) -> tuple[int, int]:
+    """Keys per tile (a divisor of PREFILL_BLOCK_M) and pipeline stages of the prefill kernel, by the
+    longest cached prefix of the step: 16-bit K/V in 128-key tiles (fp32, twice the bytes, in 64-key
+    tiles to fit shared memory); 3 stages where a chunk attends to a long prefix, else 2 (the fastest
+    of 64 / 128 keys x 2 / 3 / 4 stages on each side of LONG_PREFIX, BENCHMARKS.md)."""
+    if dtype == torch.float32:
+        return 64, 2
+    return 128, 3 if max_prefix >= LONG_PREFIX else 2
 
 
 def _exact_fp32_dot(dtype):
@@ -407,7 +412,8 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, sca
     return out
 
 
-def prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale):
+def prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale,
+                             max_prefix: int = 0):
     t, nh, hd = q.shape
     nkv = k.shape[1]
     n_seqs = context_lens.shape[0]
@@ -425,7 +431,7 @@ def prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables, 
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
     block_ends = torch.cumsum((q_lens + PREFILL_BLOCK_M - 1) // PREFILL_BLOCK_M, 0).to(torch.int32)
     grid = (triton.cdiv(t, PREFILL_BLOCK_M) + n_seqs, nh)
-    block_n, stages = prefill_tiling(q.dtype)
+    block_n, stages = prefill_tiling(q.dtype, max_prefix)
     _prefill_kernel[grid](
         q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, block_ends, out,
         scale * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -446,8 +452,10 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, new
     return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv)
 
 
-def prefill_attention(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale):
+def prefill_attention(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale,
+                      max_prefix: int = 0):
+    """max_prefix: the step's longest cached prefix (from the host), which picks the kernel's tiling."""
     if triton_runs(q):
         return prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables,
-                                        k_cache, v_cache, scale)
+                                        k_cache, v_cache, scale, max_prefix)
     return prefill_attention_ref(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale)
