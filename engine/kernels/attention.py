@@ -341,8 +341,6 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_
 LOG2E = 1.4426950408889634
 DECODE_BLOCK_N = 64       # keys per tile of the decode kernel
 PREFILL_BLOCK_M = 128     # queries per program of the prefill kernel
-
-
 LONG_PREFIX = 2048        # cached tokens from which the prefill kernel pipelines 3 key tiles deep
 
 
