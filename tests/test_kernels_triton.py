@@ -130,6 +130,29 @@ def test_rms_norm_fp8_zero_row(poisoned):
     assert (q[0].float() != 0).any()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_into_the_callers_buffers(dtype):
+    """out and residual_out (the step graphs' static buffers): the residual stream updated in place
+    (residual_out is residual) and the normed rows written into the first rows of a larger
+    poisoned buffer, the same as into new tensors; nothing past them written."""
+    m, n = 37, 576
+    x = torch.randn(m, n, device=DEVICE, dtype=dtype)
+    weight = (1 + 0.5 * torch.randn(n, device=DEVICE)).to(dtype)
+    stream = torch.randn(m + 5, n, device=DEVICE, dtype=dtype)
+    residual_in = stream[:m].clone()
+    want, want_residual = norms.rms_norm_triton(x, weight, 1e-5, residual_in)
+    out = torch.full((m + 5, n), float("nan"), device=DEVICE, dtype=dtype)
+    tail = stream[m:].clone()
+    normed, residual = norms.rms_norm_triton(x, weight, 1e-5, stream[:m], out=out[:m], residual_out=stream[:m])
+    assert normed.data_ptr() == out.data_ptr() and residual.data_ptr() == stream.data_ptr()
+    assert torch.equal(out[:m], want) and torch.equal(stream[:m], want_residual)
+    assert out[m:].isnan().all() and torch.equal(stream[m:], tail)
+    ref, ref_residual = norms.rms_norm_ref(x, weight, 1e-5, residual_in, out=torch.empty_like(x),
+                                           residual_out=residual_in)
+    assert_close(out[:m], ref, dtype, "rms_norm reference into out")
+    assert_close(stream[:m], ref_residual, dtype, "rms_norm reference's residual in place")
+
+
 # --------------------------------------------------------------------------------------------------
 # SwiGLU
 
@@ -206,6 +229,43 @@ def test_rope_stores_k_and_v_in_the_cache(t, nh, nkv, hd, dtype):
     assert torch.equal(v, v_before)
     rope.write_kv_ref(k, v, k_want, v_want, slots)
     assert torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,nh,nkv,hd", [(1, 9, 3, 64), (6, 8, 2, 128), (70, 9, 3, 64)])
+def test_rope_into_a_buffer(t, nh, nkv, hd, dtype):
+    """out (the step graphs' static q/k/v buffer): the rotated q and k and the unrotated v land in
+    its first t rows, laid out as the qkv GEMM lays them out, and K/V in the cache, bit for bit as
+    the in-place launch; the inputs stay as they were, no row past t is written; the reference
+    path fills the same buffer."""
+    width = (nh + 2 * nkv) * hd
+    qkv = torch.randn(t, width, device=DEVICE, dtype=dtype)
+
+    def split(a):
+        return (a[:, :nh * hd].view(t, nh, hd), a[:, nh * hd:(nh + nkv) * hd].view(t, nkv, hd),
+                a[:, (nh + nkv) * hd:].view(t, nkv, hd))
+    positions = torch.randint(0, 100_000, (t,), device=DEVICE)
+    inv_freq = rope.rope_inv_freq(hd, 500000.0, LLAMA3_SCALING).to(DEVICE)
+    num_blocks = t // 16 + 3
+    caches = [paged_cache(num_blocks, 16, nkv, hd, dtype) for _ in range(3)]
+    for c in caches[1:]:
+        c[0].copy_(caches[0][0])
+        c[1].copy_(caches[0][1])
+    slots = torch.randperm(num_blocks * 16, device=DEVICE)[:t]
+    in_place = qkv.clone()
+    q, k, v = split(in_place)
+    rope.apply_rope_triton(q, k, positions, inv_freq, (v, *caches[0], slots))
+    buf = torch.full((t + 3, width), float("nan"), device=DEVICE, dtype=dtype)
+    q, k, v = split(qkv)
+    before = qkv.clone()
+    q_out, k_out = rope.apply_rope_triton(q, k, positions, inv_freq, (v, *caches[1], slots), out=buf[:t])
+    assert torch.equal(qkv, before), "the inputs changed"
+    assert torch.equal(buf[:t], in_place) and buf[t:].isnan().all()
+    assert q_out.data_ptr() == buf.data_ptr() and torch.equal(k_out, split(buf[:t])[1])
+    assert torch.equal(caches[1][0], caches[0][0]) and torch.equal(caches[1][1], caches[0][1])
+    ref_buf = torch.full((t, width), float("nan"), device=DEVICE, dtype=dtype)
+    rope.apply_rope(q, k, positions, inv_freq, (v, *caches[2], slots), fused=False, out=ref_buf)
+    assert_close(ref_buf, buf[:t], dtype, "rope reference into out")
 
 
 def test_rope_llama3_scaling():
@@ -399,6 +459,29 @@ def test_prefill_attention_full_and_partial_tiles(poisoned):
     # (256); chunks whose later query blocks see whole tiles of their own keys before the diagonal.
     check_prefill([260, 129, 3], [300, 256, 0], 4, 2, 64, torch.float32)
     check_prefill([260, 3], [2100, 0], 4, 2, 64, torch.bfloat16)   # a long prefix: 3 stages
+
+
+def test_attention_into_the_callers_buffer():
+    """out (the step graphs' static attention output): decode and prefill attention write their
+    rows into a slice of a larger poisoned buffer, bit for bit what they return otherwise, and
+    nothing past it."""
+    nh, nkv, hd, dtype = 8, 2, 128, torch.bfloat16
+    k_cache, v_cache, tables, ctx = decode_cache([1, 37, 300], nkv, hd, dtype)
+    q = torch.randn(3, nh, hd, device=DEVICE, dtype=dtype)
+    buf = torch.full((5, nh, hd), float("nan"), device=DEVICE, dtype=dtype)
+    want = attention.decode_attention(q, k_cache, v_cache, tables, ctx, 0.1)
+    attention.decode_attention(q, k_cache, v_cache, tables, ctx, 0.1, out=buf[1:4])
+    assert torch.equal(buf[1:4], want) and buf[0].isnan().all() and buf[4].isnan().all()
+    t = 40
+    cu = torch.tensor([0, 15, 40], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([15, 25], dtype=torch.int32, device=DEVICE)
+    q, k, v = (torch.randn(t, n, hd, device=DEVICE, dtype=dtype) for n in (nh, nkv, nkv))
+    buf = torch.full((t + 2, nh, hd), float("nan"), device=DEVICE, dtype=dtype)
+    want = attention.prefill_attention(q, k, v, cu, lens, None, None, None, 0.1)
+    attention.prefill_attention(q, k, v, cu, lens, None, None, None, 0.1, out=buf[:t])
+    assert torch.equal(buf[:t], want) and buf[t:].isnan().all()
+    with pytest.raises(ValueError, match="out"):
+        attention.prefill_attention(q, k, v, cu, lens, None, None, None, 0.1, out=buf[:t, :, :64])
 
 
 def test_prefill_attention_one_sequence(poisoned):

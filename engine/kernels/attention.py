@@ -369,10 +369,20 @@ def decode_splits(num_seqs: int, num_kv_heads: int, device) -> int:
     return min(64, 1 << (want.bit_length() - 1))
 
 
+def _out(out, q):
+    """The caller's output buffer (contiguous, q's shape and dtype), else a new one."""
+    if out is None:
+        return torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    if out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"out: a contiguous {q.dtype} tensor of shape {tuple(q.shape)} is needed, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    return out
+
+
 def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv=None,
-                            num_splits=None):
-    """decode_attention_ref's contract (new_kv included) on the Triton kernels. num_splits
-    overrides the split choice (tests, the benchmark's sweep)."""
+                            num_splits=None, out=None):
+    """decode_attention_ref's contract (new_kv included) on the Triton kernels, into `out` where
+    given. num_splits overrides the split choice (tests, the benchmark's sweep)."""
     b, nh, hd = q.shape
     nkv = k_cache.shape[2]
     check_cache(k_cache, v_cache, hd)
@@ -380,7 +390,7 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, sca
         raise ValueError("decode_attention needs unit stride along head_dim")
     group = nh // nkv
     splits = num_splits or decode_splits(b, nkv, q.device)
-    out = torch.empty((b, nh, hd), device=q.device, dtype=q.dtype)
+    out = _out(out, q)
     if b == 0:
         return out
     if splits > 1:
@@ -411,7 +421,7 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, sca
 
 
 def prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale,
-                             max_prefix: int = 0):
+                             max_prefix: int = 0, out=None):
     t, nh, hd = q.shape
     nkv = k.shape[1]
     n_seqs = context_lens.shape[0]
@@ -421,7 +431,7 @@ def prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables, 
         k_cache = v_cache = k.view(t, 1, nkv, hd)
         block_tables = context_lens.view(n_seqs, 1)
     check_cache(k_cache, v_cache, hd)
-    out = torch.empty((t, nh, hd), device=q.device, dtype=q.dtype)
+    out = _out(out, q)
     if t == 0:
         return out
     # query blocks never straddle sequences; block_ends[i] = query blocks of sequences 0..i, counted
@@ -444,16 +454,21 @@ def prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables, 
 # What the model calls: the Triton kernels where they apply, the references elsewhere.
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv=None):
+def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv=None, out=None):
+    """out: where the result goes (contiguous, q's shape), else a new tensor."""
     if triton_runs(q):
-        return decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv)
-    return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv)
+        return decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv,
+                                       out=out)
+    o = decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv)
+    return o if out is None else _out(out, q).copy_(o)
 
 
 def prefill_attention(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale,
-                      max_prefix: int = 0):
-    """max_prefix: the step's longest cached prefix (from the host), which picks the kernel's tiling."""
+                      max_prefix: int = 0, out=None):
+    """max_prefix: the step's longest cached prefix (from the host), which picks the kernel's tiling.
+    out: where the result goes (contiguous, q's shape), else a new tensor."""
     if triton_runs(q):
         return prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables,
-                                        k_cache, v_cache, scale, max_prefix)
-    return prefill_attention_ref(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale)
+                                        k_cache, v_cache, scale, max_prefix, out)
+    o = prefill_attention_ref(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale)
+    return o if out is None else _out(out, q).copy_(o)

@@ -34,17 +34,21 @@ def quantize_fp8_rows_ref(y):
     return q, scale.squeeze(-1)
 
 
-def rms_norm_ref(x, weight, eps, residual=None, quant=None):
+def rms_norm_ref(x, weight, eps, residual=None, quant=None, out=None, residual_out=None):
     """RMSNorm(x [+ residual]) * weight. With a residual returns (normed, x + residual): the new
     residual stream, rounded to x.dtype exactly as the model stores it. With quant="fp8" `normed`
-    is (q float8_e4m3fn, per-row fp32 scale), quantised from the fp32 result."""
+    is (q float8_e4m3fn, per-row fp32 scale), quantised from the fp32 result. out / residual_out:
+    contiguous tensors of x's shape that the normed rows / the new residual stream go to (the step
+    graphs' static buffers; out only without quant); residual_out may alias residual."""
     if residual is not None:
         x = (x.float() + residual.float()).to(x.dtype)
-        residual = x
+        residual = x if residual_out is None else residual_out.copy_(x)
     xf = x.float()
-    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-    out = quantize_fp8_rows_ref(out) if quant == "fp8" else out.to(x.dtype)
-    return out if residual is None else (out, residual)
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    normed = quantize_fp8_rows_ref(normed) if quant == "fp8" else normed.to(x.dtype)
+    if out is not None:
+        normed = out.copy_(normed)
+    return normed if residual is None else (normed, residual)
 
 
 def l2_norm_ref(x, eps=1e-12):
@@ -122,19 +126,34 @@ def _rows(x):
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def rms_norm_triton(x, weight, eps, residual=None, quant=None):
-    """The fused kernel; same contract as `rms_norm_ref`."""
+def _out_rows(t, like, name):
+    """`t` (a caller's output buffer) as [M, N] rows, checked against `like`'s shape and dtype."""
+    if t.shape != like.shape or t.dtype != like.dtype or not t.is_contiguous():
+        raise ValueError(f"{name}: a contiguous {like.dtype} tensor of shape {tuple(like.shape)} "
+                         f"is needed, got {t.dtype} {tuple(t.shape)}")
+    return t.view(-1, like.shape[-1])
+
+
+def rms_norm_triton(x, weight, eps, residual=None, quant=None, out=None, residual_out=None):
+    """The fused kernel; same contract as `rms_norm_ref` (residual_out may alias residual: a
+    program reads its whole row before it writes)."""
     if quant not in (None, "fp8"):
         raise ValueError(f"quant={quant!r}: only None and 'fp8' are supported")
+    if out is not None and quant is not None:
+        raise ValueError("out: only for normed rows in x's dtype (quant=None)")
     n = x.shape[-1]
     x2 = _rows(x)
     m = x2.shape[0]
-    out = torch.empty((m, n), device=x.device,
-                      dtype=torch.float8_e4m3fn if quant == "fp8" else x.dtype)
+    if out is not None:
+        out = _out_rows(out, x, "out")
+    else:
+        out = torch.empty((m, n), device=x.device,
+                          dtype=torch.float8_e4m3fn if quant == "fp8" else x.dtype)
     scale = torch.empty(m, device=x.device, dtype=torch.float32) if quant == "fp8" else out
     if residual is not None:
         r2 = _rows(residual)
-        res_out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+        res_out = (_out_rows(residual_out, x, "residual_out") if residual_out is not None
+                   else torch.empty((m, n), device=x.device, dtype=x.dtype))
     else:
         r2, res_out = x2, out  # unused: HAS_RESIDUAL is off
     block, num_warps = row_launch_config(n)
@@ -158,12 +177,12 @@ def l2_norm_triton(x, eps=1e-12):
     return out.view(x.shape)
 
 
-def rms_norm(x, weight, eps, residual=None, quant=None, fused=True):
+def rms_norm(x, weight, eps, residual=None, quant=None, fused=True, out=None, residual_out=None):
     """RMSNorm(x [+ residual]) * weight; contract of `rms_norm_ref`. fused=False: the reference
     (the engine's fused-kernels switch)."""
     if fused and triton_runs(x):
-        return rms_norm_triton(x, weight, eps, residual, quant)
-    return rms_norm_ref(x, weight, eps, residual, quant)
+        return rms_norm_triton(x, weight, eps, residual, quant, out, residual_out)
+    return rms_norm_ref(x, weight, eps, residual, quant, out, residual_out)
 
 
 def l2_norm(x, eps=1e-12, fused=True):

@@ -102,13 +102,15 @@ def rope_rotate(x1, x2, cos, sin):
 
 
 @jit
-def _rope_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+def _rope_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, out_ptr,
                  q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
-                 c_stride_block, c_stride_row, c_stride_head, n_q_heads, n_k_heads, n_heads, half,
-                 HEADS: tl.constexpr, HALF: tl.constexpr, WRITE_KV: tl.constexpr, PAGE: tl.constexpr):
+                 c_stride_block, c_stride_row, c_stride_head, out_stride_t, n_q_heads, n_k_heads, n_heads,
+                 half, HEADS: tl.constexpr, HALF: tl.constexpr, WRITE_KV: tl.constexpr, PAGE: tl.constexpr,
+                 OUT: tl.constexpr):
     """Token program_id(0), heads HEADS * program_id(1) .. of [q heads, k heads, v heads (WRITE_KV
-    only)]: q and k rotated in place; with WRITE_KV the rotated k and v also stored at the token's
-    slot of the paged cache (what write_kv_ref does, without a kernel of its own)."""
+    only)]: q and k rotated in place, or with OUT every head (v unrotated) written to its row of
+    out_ptr instead (heads back to back); with WRITE_KV the rotated k and v also stored at the
+    token's slot of the paged cache (what write_kv_ref does, without a kernel of its own)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)[:, None]
     d = tl.arange(0, HALF)[None, :]
@@ -126,9 +128,14 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, k_cache_ptr, v_cach
     sin = tl.where(is_v, 0.0, sin)
     y1, y2 = rope_rotate(x1, x2, cos, sin)
 
-    in_place = mask & (h < n_qk)
-    tl.store(at, y1.to(q_ptr.dtype.element_ty), mask=in_place)
-    tl.store(at + half, y2.to(q_ptr.dtype.element_ty), mask=in_place)
+    if OUT:
+        dst = out_ptr + t * out_stride_t + h * (2 * half) + d
+        tl.store(dst, y1.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + half, y2.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        in_place = mask & (h < n_qk)
+        tl.store(at, y1.to(q_ptr.dtype.element_ty), mask=in_place)
+        tl.store(at + half, y2.to(q_ptr.dtype.element_ty), mask=in_place)
     if WRITE_KV:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         head = tl.where(is_v, h - n_qk, h - n_q_heads)
@@ -146,10 +153,13 @@ DECODE_HEADS = 4
 DECODE_TOKENS = 64
 
 
-def apply_rope_triton(q, k, positions, inv_freq, kv_write=None):
+def apply_rope_triton(q, k, positions, inv_freq, kv_write=None, out=None):
     """Rotates q [T, nh, hd] and k [T, nkv, hd] in place (any token/head strides, unit stride along
     hd) and returns them. kv_write = (v, k_cache, v_cache, slot_mapping): also store the rotated k
-    and v at their cache slots, as write_kv_ref would."""
+    and v at their cache slots, as write_kv_ref would. out (with kv_write): a [T, (nh + 2 nkv) * hd]
+    tensor with unit stride along its rows that takes the rotated q, k and the unrotated v instead,
+    laid out as the fused qkv projection lays them out (q, k, v left as they were); returns the
+    rotated (q, k) as views of it."""
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("apply_rope needs unit stride along head_dim")
     if q.dtype != k.dtype:   # one kernel pointer walks both (the slices of one qkv output)
@@ -167,26 +177,46 @@ def apply_rope_triton(q, k, positions, inv_freq, kv_write=None):
                      c_strides=k_cache.stride()[:3], page=k_cache.shape[1])
     else:   # unused pointers and strides: WRITE_KV is off
         cache = dict(v=k, k_cache=k, v_cache=k, slots=positions, v_strides=(0, 0), c_strides=(0, 0, 0), page=1)
+    out_rows = _check_out(out, q, heads, kv_write) if out is not None else q
     per_program = DECODE_HEADS if t <= DECODE_TOKENS else triton.next_power_of_2(heads)
     if t > 0:
         _rope_kernel[(t, triton.cdiv(heads, per_program))](
             q, k, cache["v"], positions, inv_freq.to(q.device), cache["k_cache"], cache["v_cache"],
-            cache["slots"], q.stride(0), q.stride(1), k.stride(0), k.stride(1), *cache["v_strides"],
-            *cache["c_strides"], nh, nkv, heads, hd // 2, HEADS=per_program,
+            cache["slots"], out_rows, q.stride(0), q.stride(1), k.stride(0), k.stride(1), *cache["v_strides"],
+            *cache["c_strides"], out_rows.stride(0), nh, nkv, heads, hd // 2, HEADS=per_program,
             HALF=triton.next_power_of_2(hd // 2), WRITE_KV=kv_write is not None, PAGE=cache["page"],
-            num_warps=4)
+            OUT=out is not None, num_warps=4)
+    if out is not None:
+        return out[:, :nh * hd].view(t, nh, hd), out[:, nh * hd:(nh + nkv) * hd].view(t, nkv, hd)
     return q, k
 
 
-def apply_rope(q, k, positions, inv_freq, kv_write=None, fused=True):
+def _check_out(out, q, heads, kv_write):
+    t, _, hd = q.shape
+    if kv_write is None:
+        raise ValueError("apply_rope: out needs kv_write (v comes with it)")
+    if out.shape != (t, heads * hd) or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"apply_rope: out must be [{t}, {heads * hd}] {q.dtype} with unit stride along "
+                         f"its rows, got {out.dtype} {tuple(out.shape)}")
+    return out
+
+
+def apply_rope(q, k, positions, inv_freq, kv_write=None, fused=True, out=None):
     """Rotated (q, k); with kv_write = (v, k_cache, v_cache, slot_mapping) the rotated k and v are
-    also stored in the paged cache (one kernel for both where the fused kernels run). The Triton
-    path rotates in place, the reference returns new tensors: use the returned pair. fused=False:
-    the reference (the engine's fused-kernels switch)."""
+    also stored in the paged cache (one kernel for both where the fused kernels run), and with out
+    (apply_rope_triton's) q, k and v go there. The Triton path rotates in place, the reference
+    returns new tensors: use the returned pair. fused=False: the reference (the engine's
+    fused-kernels switch)."""
     if fused and triton_runs(q):
-        return apply_rope_triton(q, k, positions, inv_freq, kv_write)
+        return apply_rope_triton(q, k, positions, inv_freq, kv_write, out)
     q, k = apply_rope_ref(q, k, positions, inv_freq)
     if kv_write is not None:
         v, k_cache, v_cache, slots = kv_write
         write_kv_ref(k, v, k_cache, v_cache, slots)
+    if out is not None:
+        t, nh, hd = q.shape
+        nkv = k.shape[1]
+        _check_out(out, q, nh + 2 * nkv, kv_write)
+        out.copy_(torch.cat([q.reshape(t, -1), k.reshape(t, -1), kv_write[0].reshape(t, -1)], 1))
+        return out[:, :nh * hd].view(t, nh, hd), out[:, nh * hd:(nh + nkv) * hd].view(t, nkv, hd)
     return q, k
