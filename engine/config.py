@@ -61,7 +61,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192    # per-step token budget (decode tokens + prefill chunks)
     enable_prefix_caching: bool = True
-    cuda_graphs: bool = True              # capture decode steps in CUDA graphs (cuda only)
+    cuda_graphs: bool = True              # steps as CUDA graphs: decode whole, others in pieces (cuda only)
     # Pipelined steps: the host schedules and uploads step N+1 while step N runs, and reads step N's
     # tokens after N+1 is queued (on the CPU the same logic runs on no-op streams). False: each
     # step is serialised, for comparison.

@@ -226,12 +226,15 @@ class Engine:
                                    self.max_model_len, config.enable_prefix_caching)
         self.sampler = Sampler(self.device, config.seed)
         self._tune()
-        self.graphs = None
+        self.graphs = self.step_graphs = None
         # Streamed layers swap their weights in forward hooks, which a captured graph would skip.
         if self.device.type == "cuda" and config.cuda_graphs and self.streamer is None:
             self._capture_graphs()
-            if self.tp is not None and not self.tp.agree_min(self.graphs is not None):
-                self.graphs = None      # every rank replays graphs, or none does
+            if self.tp is not None:     # every rank replays graphs, or none does
+                if not self.tp.agree_min(self.graphs is not None):
+                    self.graphs = None
+                if not self.tp.agree_min(self.step_graphs is not None):
+                    self.step_graphs = None
         self.ring = PinnedRing(3, 1 << 16, self.streams)
         self.readback = TokenReadback(self.streams, num_slots=2)
         self.in_flight: InFlight | None = None
@@ -303,10 +306,12 @@ class Engine:
 
     def _activation_reserve(self) -> int:
         """Room for the largest step's activations (the gate/up output dominates, kept twice over for
-        SwiGLU) and for its fp32 logits."""
+        SwiGLU), the step graphs' static buffers (q/k/v, attention output, residual, hidden) and
+        the step's fp32 logits."""
         c, cfg = self.config, self.model_config
         elt = torch.empty(0, dtype=self.dtype).element_size()
-        act = c.max_num_batched_tokens * (4 * cfg.intermediate_size + 6 * cfg.hidden_size) * elt
+        static = cfg.num_heads * cfg.head_dim * 2 + cfg.num_kv_heads * cfg.head_dim * 2 + 2 * cfg.hidden_size
+        act = c.max_num_batched_tokens * (4 * cfg.intermediate_size + 6 * cfg.hidden_size + static) * elt
         return act + 2 * c.max_num_seqs * cfg.vocab_size * 4
 
     def _num_kv_blocks(self) -> int:
@@ -395,19 +400,32 @@ class Engine:
                      time.perf_counter() - t0, tuner.path)
 
     def _capture_graphs(self) -> None:
-        from engine.cuda_graphs import DecodeGraphs
+        """Decode steps whole, the other steps in pieces around their attention (engine/cuda_graphs.py),
+        in one memory pool; the step graphs first, the largest being the pool's peak."""
+        from engine.cuda_graphs import DecodeGraphs, StepGraphs
         if not triton_runs(self.model.embed_tokens.weight):
             return      # the reference attention syncs with the host: nothing to capture
-        max_blocks = -(-self.max_model_len // self.config.block_size)
-        graphs = DecodeGraphs(self.model, self.kv_cache, min(self.config.max_num_seqs, 512),
-                              max_blocks, self.kv_cache.scratch_block)
+        c, scratch = self.config, self.kv_cache.scratch_block
+        t0 = time.perf_counter()
+        steps = StepGraphs(self.model, self.kv_cache, c.max_num_batched_tokens, scratch)
+        try:
+            steps.capture()
+            self.step_graphs = steps
+        except RuntimeError as e:   # a backend that cannot be captured: such steps run eagerly
+            log.warning("CUDA graph capture failed, prefill steps run eagerly: %s", e)
+            torch.cuda.synchronize()
+        max_blocks = -(-self.max_model_len // c.block_size)
+        graphs = DecodeGraphs(self.model, self.kv_cache, min(c.max_num_seqs, 512), max_blocks, scratch,
+                              pool=steps.pool)
         try:
             graphs.capture()
+            self.graphs = graphs
         except RuntimeError as e:   # a backend that cannot be captured: run decode eagerly
             log.warning("CUDA graph capture failed, decode steps run eagerly: %s", e)
             torch.cuda.synchronize()
-            return
-        self.graphs = graphs
+        log.info("captured CUDA graphs in %.1f s: %d step sizes up to %d tokens, %d decode batch sizes",
+                 time.perf_counter() - t0, len(steps.pieces), c.max_num_batched_tokens,
+                 len(graphs.graphs))
 
     # ---------------------------------------------------------------- requests
 
@@ -555,10 +573,14 @@ class Engine:
         return InFlight(ticket, rows, tokens)
 
     def _forward(self, batch, sampled: bool) -> torch.Tensor | None:
-        """The step's logits of its sampled rows: a decode graph's replay, or the model run eagerly."""
+        """The step's logits of its sampled rows: a decode graph's replay, the step graphs' pieces
+        around eager attention, or the model run eagerly."""
         if self.graphs is not None and batch.num_prefills == 0 and batch.num_decodes <= self.graphs.max_batch:
             return self.graphs.run(batch)      # every decode row samples, in order
-        hidden = self.model(batch.input_ids, batch.positions, batch)
+        if self.step_graphs is not None and batch.input_ids.shape[0] <= self.step_graphs.max_tokens:
+            hidden = self.step_graphs.run(batch)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, batch)
         return self.model.compute_logits(hidden[batch.logits_indices]) if sampled else None
 
     def replay_step(self, shape: tuple, fields: dict, data: bytes) -> None:

@@ -95,8 +95,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.fused = True   # the engine's fused-kernels switch (LlamaForCausalLM.set_fused_kernels)
 
-    def forward(self, x, residual=None, quant=None):
-        return rms_norm(x, self.weight, self.eps, residual, quant, self.fused)
+    def forward(self, x, residual=None, quant=None, out=None, residual_out=None):
+        return rms_norm(x, self.weight, self.eps, residual, quant, self.fused, out, residual_out)
 
 
 class LlamaAttention(nn.Module):
@@ -116,59 +116,80 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(nq, cfg.hidden_size, device, dtype, shards and shards["o"], tp)
         self.fused = True
 
-    def forward(self, x, positions, batch, inv_freq):
-        qkv = self.qkv_proj(x)
+    def project(self, h, positions, batch, inv_freq, out=None):
+        """The attention's inputs from the normed rows h [T, hidden]: (q, k, v, new_kv), q [T, heads,
+        hd] and k, v [T, kv heads, hd], with this step's K/V stored in the paged cache. The prefill
+        rows are rotated here; so are the decode rows, unless the fused decode attention kernel
+        rotates and stores them itself, in which case new_kv = (their k, v, inv_freq) for it, else
+        None. out [T, q + 2 kv columns]: the rotated q, k and v go there (the step graphs' static
+        buffer), every row rotated here."""
+        qkv = self.qkv_proj(h)
         t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = batch.kv_cache.layer(self.layer_idx) if batch.kv_cache is not None else (None, None)
-        new_kv = None
-        if batch.num_decodes and k_cache is not None and self.fused and triton_runs(q):
+        if out is None and batch.num_decodes and k_cache is not None and self.fused and triton_runs(q):
             # The decode rows are rotated, and their K/V stored, by the decode attention kernel
             # itself (one launch less per layer); prefill rows by RoPE's kernel, in place.
             p = batch.num_prefill_tokens
             if p:
                 apply_rope_triton(q[:p], k[:p], positions[:p], inv_freq,
                                   (v[:p], k_cache, v_cache, batch.slot_mapping[:p]))
-            new_kv = (k[p:], v[p:], inv_freq)
-        else:
-            # RoPE also stores this step's K/V in the paged cache (one kernel)
-            kv_write = (v, k_cache, v_cache, batch.slot_mapping) if k_cache is not None else None
-            q, k = apply_rope(q, k, positions, inv_freq, kv_write, self.fused)
-        o = attend(q, k, v, batch, k_cache, v_cache, self.scale, new_kv)
-        o = self.o_proj(o.reshape(t, self.q_size))
+            return q, k, v, (k[p:], v[p:], inv_freq)
+        # RoPE also stores this step's K/V in the paged cache (one kernel)
+        kv_write = (v, k_cache, v_cache, batch.slot_mapping) if k_cache is not None else None
+        q, k = apply_rope(q, k, positions, inv_freq, kv_write, self.fused, out)
+        if out is not None:
+            v = out[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        return q, k, v, None
+
+    def attend(self, q, k, v, batch, new_kv=None, out=None):
+        """Attention over the step's rows (`project`'s outputs) -> [T, heads, hd], into out where given."""
+        k_cache, v_cache = batch.kv_cache.layer(self.layer_idx) if batch.kv_cache is not None else (None, None)
+        return attend(q, k, v, batch, k_cache, v_cache, self.scale, new_kv, out)
+
+    def output(self, o):
+        """o_proj of the attention's output [T, heads, hd] (all-reduced across ranks)."""
+        o = self.o_proj(o.reshape(o.shape[0], self.q_size))
         return o if self.tp is None else self.tp.all_reduce(o)
 
+    def forward(self, x, positions, batch, inv_freq):
+        q, k, v, new_kv = self.project(x, positions, batch, inv_freq)
+        return self.output(self.attend(q, k, v, batch, new_kv))
 
-def attend(q, k, v, batch, k_cache, v_cache, scale, new_kv=None):
+
+def attend(q, k, v, batch, k_cache, v_cache, scale, new_kv=None, out=None):
     """Attention over this step's K/V, already in the paged cache (k_cache None: no cache, prefill
     only): prefill rows first, decode rows after. new_kv = (k, v, inv_freq) of the decode rows: their
-    q and k are not rotated yet nor their K/V cached; the decode kernel does both first."""
+    q and k are not rotated yet nor their K/V cached; the decode kernel does both first. out: where
+    the result goes (contiguous, q's shape)."""
     p = batch.num_prefill_tokens
     if batch.num_decodes == 0:
-        return _prefill(q, k, v, batch, k_cache, v_cache, scale)
+        return _prefill(q, k, v, batch, k_cache, v_cache, scale, out)
 
-    def decode(qd):
+    def decode(qd, out):
         return attn_ops.decode_attention(qd, k_cache, v_cache, batch.decode_block_tables,
-                                         batch.decode_context_lens, scale, new_kv)
+                                         batch.decode_context_lens, scale, new_kv, out)
     if p == 0:   # decode only: no copy into a shared output (one kernel less per layer)
-        return decode(q)
-    out = torch.empty_like(q)
-    out[:p] = _prefill(q[:p], k[:p], v[:p], batch, k_cache, v_cache, scale)
-    out[p:] = decode(q[p:])
+        return decode(q, out)
+    if out is None:
+        out = torch.empty_like(q)
+    _prefill(q[:p], k[:p], v[:p], batch, k_cache, v_cache, scale, out[:p])
+    decode(q[p:], out[p:])
     return out
 
 
-def _prefill(q, k, v, batch, k_cache, v_cache, scale):
+def _prefill(q, k, v, batch, k_cache, v_cache, scale, out=None):
     if not batch.prefill_max_prefix and attn_ops.flash_runs(q):
         # Packed variable-length prompts, no padding: one flash launch; the longest prompt's length
         # comes from the host (asked of the device, it would cost a sync).
-        return attn_ops.prefill_attention_flash(q, k, v, batch.prefill_offsets, batch.prefill_max_len, scale)
+        o = attn_ops.prefill_attention_flash(q, k, v, batch.prefill_offsets, batch.prefill_max_len, scale)
+        return o if out is None else out.copy_(o)
     return attn_ops.prefill_attention(q, k, v, batch.prefill_offsets, batch.prefill_context_lens,
                                       batch.prefill_block_tables, k_cache, v_cache, scale,
-                                      max_prefix=batch.prefill_max_prefix)
+                                      max_prefix=batch.prefill_max_prefix, out=out)
 
 
 class LlamaMLP(nn.Module):
@@ -196,17 +217,30 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
         self.mlp = LlamaMLP(cfg, device, dtype, tp, shards)
 
-    def forward(self, x, residual, positions, batch, inv_freq):
-        # The residual add is fused into the norm that follows it, and with FP8 GEMMs after them the
-        # norms write their output already quantised (1 byte per element, never a bf16 copy).
+    # The residual add is fused into the norm that follows it, and with FP8 GEMMs after them the
+    # norms write their output already quantised (1 byte per element, never a bf16 copy).
+
+    def attention_inputs(self, x, residual, positions, batch, inv_freq, qkv_out=None, residual_out=None):
+        """The input norm and `LlamaAttention.project`: (q, k, v, new_kv, residual). qkv_out and
+        residual_out: where the attention's inputs and the residual stream go (the step graphs'
+        static buffers)."""
+        quant = self.self_attn.qkv_proj.input_quant
         if residual is None:
-            residual = x
-            h = self.input_layernorm(x, quant=self.self_attn.qkv_proj.input_quant)
+            residual = x if residual_out is None else residual_out.copy_(x)
+            h = self.input_layernorm(x, quant=quant)
         else:
-            h, residual = self.input_layernorm(x, residual, self.self_attn.qkv_proj.input_quant)
-        h = self.self_attn(h, positions, batch, inv_freq)
-        h, residual = self.post_attention_layernorm(h, residual, self.mlp.gate_up_proj.input_quant)
+            h, residual = self.input_layernorm(x, residual, quant, residual_out=residual_out)
+        return (*self.self_attn.project(h, positions, batch, inv_freq, qkv_out), residual)
+
+    def after_attention(self, o, residual):
+        """o_proj, the post-attention norm and the MLP: (the MLP's output, residual)."""
+        h, residual = self.post_attention_layernorm(self.self_attn.output(o), residual,
+                                                    self.mlp.gate_up_proj.input_quant)
         return self.mlp(h), residual
+
+    def forward(self, x, residual, positions, batch, inv_freq):
+        q, k, v, new_kv, residual = self.attention_inputs(x, residual, positions, batch, inv_freq)
+        return self.after_attention(self.self_attn.attend(q, k, v, batch, new_kv), residual)
 
 
 class LlamaForCausalLM(nn.Module):
