@@ -182,7 +182,7 @@ def attend(q, k, v, batch, k_cache, v_cache, scale, new_kv=None, out=None):
 
 
 def _prefill(q, k, v, batch, k_cache, v_cache, scale, out=None):
-    if not batch.prefill_max_prefix and attn_ops.flash_runs(q):
+    if attn_ops.prefill_takes_flash(q, batch.prefill_max_prefix, batch.num_prefill_tokens, batch.num_prefills):
         # Packed variable-length prompts, no padding: one flash launch; the longest prompt's length
         # comes from the host (asked of the device, it would cost a sync).
         o = attn_ops.prefill_attention_flash(q, k, v, batch.prefill_offsets, batch.prefill_max_len, scale)

@@ -497,6 +497,20 @@ def test_prefill_attention_without_cache(poisoned):
 # dispatch: what the model calls takes the kernels wherever they apply
 
 
+def test_fresh_prompts_take_flash_attention_only_when_short(monkeypatch):
+    """The prefill attention rule: FlashAttention-2 for prompts without a cached prefix averaging
+    under FRESH_PROMPT_LEN tokens; longer ones, and any step with a prefix, the prefill kernel."""
+    monkeypatch.setattr(attention, "flash_runs", lambda q: True)
+    q = torch.empty(0)
+    n = attention.FRESH_PROMPT_LEN
+    assert attention.prefill_takes_flash(q, 0, 64 * 128, 64)
+    assert attention.prefill_takes_flash(q, 0, 4 * n - 1, 4)
+    assert not attention.prefill_takes_flash(q, 0, 4 * n, 4)
+    assert not attention.prefill_takes_flash(q, 16, 64, 8)
+    monkeypatch.setattr(attention, "flash_runs", lambda q: False)
+    assert not attention.prefill_takes_flash(q, 0, 64, 8)
+
+
 def test_dispatch_takes_the_kernels():
     x = torch.randn(4, 64, device=DEVICE)
     assert triton_runs(x)

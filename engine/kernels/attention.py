@@ -14,8 +14,9 @@ whose `write_kv_ref` is the reference), and the decode kernel its own rows'.
   second kernel merges the splits' partial softmaxes. fp32 softmax, online (exp2 domain). Given
   the rows' new k and v (`new_kv`), the kernel also applies RoPE to q and k, with the RoPE
   kernel's arithmetic (the same bits), and stores k and v in the cache: decode needs no RoPE launch.
-- `prefill_attention_flash`: prompts with no cached prefix, in bf16/fp16 on sm_80+: FlashAttention-2's
-  variable-length kernel over the packed rows (cu_seqlens), GQA native.
+- `prefill_attention_flash`: short prompts with no cached prefix, in bf16/fp16 on sm_80+:
+  FlashAttention-2's variable-length kernel over the packed rows (cu_seqlens), GQA native
+  (`prefill_takes_flash` says when).
 - `prefill_attention`: packed variable-length sequences, one program per (block of queries of one
   sequence, query head), causal aligned bottom-right: the cached prefix is read from the paged
   cache through the block table, this step's keys straight from k and v. Only the prefix's last
@@ -342,6 +343,14 @@ LOG2E = 1.4426950408889634
 DECODE_BLOCK_N = 64       # keys per tile of the decode kernel
 PREFILL_BLOCK_M = 128     # queries per program of the prefill kernel
 LONG_PREFIX = 2048        # cached tokens from which the prefill kernel pipelines 3 key tiles deep
+FRESH_PROMPT_LEN = 512    # prompts without a prefix averaging this long take the prefill kernel, not FA2
+
+
+def prefill_takes_flash(q: torch.Tensor, max_prefix: int, num_tokens: int, num_seqs: int) -> bool:
+    """Whether a step's prefill rows go to FlashAttention-2 rather than the prefill kernel: no chunk
+    has a cached prefix, FlashAttention-2 runs here, and the prompts average fewer than
+    FRESH_PROMPT_LEN tokens (from there the prefill kernel is the faster, BENCHMARKS.md)."""
+    return not max_prefix and flash_runs(q) and num_tokens < FRESH_PROMPT_LEN * num_seqs
 
 
 def prefill_tiling(dtype: torch.dtype, max_prefix: int = 0) -> tuple[int, int]:
