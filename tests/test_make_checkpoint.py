@@ -13,7 +13,7 @@ from test_compressed import (CPU, _check_bit_exact, _dense_copy, _nvfp4_runs_as_
 
 def _logits_match_transformers(path, reference, max_err):
     """The engine's logits on checkpoint `path` against transformers' on `reference`, over fresh
-    random tokens: largest difference below max_err."""
+    random tokens: relative error (of the logits' norm) below max_err."""
     from engine import LLM
     hf = _transformers(reference)
     llm = LLM(str(path), device="cpu", dtype="fp32")
@@ -21,7 +21,8 @@ def _logits_match_transformers(path, reference, max_err):
         ids = torch.randint(0, llm.tokenizer.vocab_size, (48,)).tolist()
         with torch.no_grad():
             expected = hf(torch.tensor([ids])).logits[0]
-        err = (llm.logits(ids) - expected).abs().max().item()
+        got = llm.logits(ids)
+        err = ((got - expected).norm() / expected.norm()).item()
         assert err < max_err, err
     finally:
         llm.shutdown(timeout=1)
@@ -46,9 +47,10 @@ def test_recipe_checkpoints_load_as_stored(tmp_path, scheme):
         backends = {name: lin.backend.name for name, lin in loaded.model.linear_layers()}
         assert {b for n, b in backends.items() if ".mlp." in n} == {"2:4"}
         assert {b for n, b in backends.items() if ".self_attn." in n} == {"bf16"}
-        # fp32 apart only: the engine and transformers ran a dense copy of this model 5.5e-5 apart.
+        # fp32 apart only: about 1e-6 relative (a maximum absolute difference, used before, drew
+        # 1e-4 to 1.2e-3 over different random tokens).
         _dense_copy(out, tmp_path / "dense")
-        _logits_match_transformers(out, tmp_path / "dense", 1e-3)
+        _logits_match_transformers(out, tmp_path / "dense", 1e-4)
         return
     assert loaded.checkpoint.weights == scheme and not loaded.checkpoint.sparse_ffn
     if scheme == "fp8":
