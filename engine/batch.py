@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.kernels.attention import PREFILL_BLOCK_M
 from engine.scheduler import ScheduledSeq
 
 PLACEHOLDER = 0     # a token id still on the device; any valid id keeps a missed fill from crashing
@@ -41,6 +42,9 @@ class Batch:
     decode_block_tables: torch.Tensor | None   # [D, max_blocks] int32
     logits_indices: torch.Tensor         # rows whose logits are sampled, in `sampled` order
     sampled: list[ScheduledSeq]          # the sequences that get a new token this step
+    # [P] int32: the prefill attention kernel's query blocks through chunk i, counted on the host
+    # once per step (None: the kernel counts them on the device)
+    prefill_block_ends: torch.Tensor | None = None
 
 
 @dataclass
@@ -74,7 +78,8 @@ class BatchPlan:
             prefill_context_lens=ctx[:p],
             prefill_block_tables=tables[:p], prefill_max_prefix=self.prefill_max_prefix,
             num_decodes=self.num_decodes, decode_context_lens=ctx[p:], decode_block_tables=tables[p:],
-            logits_indices=dev["logits_indices"], sampled=self.sampled)
+            logits_indices=dev["logits_indices"], sampled=self.sampled,
+            prefill_block_ends=dev["prefill_block_ends"])
 
 
 def plan_batch(scheduled: list[ScheduledSeq], block_size: int, pending: dict | None = None) -> BatchPlan:
@@ -109,7 +114,9 @@ def plan_batch(scheduled: list[ScheduledSeq], block_size: int, pending: dict | N
     fields = {"input_ids": (ids, torch.int64), "positions": (pos, torch.int64),
               "slot_mapping": (slots, torch.int64), "prefill_offsets": (offsets[:np_ + 1], torch.int32),
               "context_lens": (ctx, torch.int32), "block_tables": (tables, torch.int32),
-              "logits_indices": (logit_rows, torch.int64)}
+              "logits_indices": (logit_rows, torch.int64),
+              "prefill_block_ends": (np.cumsum([-(-n // PREFILL_BLOCK_M) for n in lens], dtype=np.int64).tolist(),
+                                     torch.int32)}
     if fill_rows:
         fields["fill_rows"] = (fill_rows, torch.int64)
         fields["fill_src"] = (fill_src, torch.int64)

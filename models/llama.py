@@ -189,7 +189,8 @@ def _prefill(q, k, v, batch, k_cache, v_cache, scale, out=None):
         return o if out is None else out.copy_(o)
     return attn_ops.prefill_attention(q, k, v, batch.prefill_offsets, batch.prefill_context_lens,
                                       batch.prefill_block_tables, k_cache, v_cache, scale,
-                                      max_prefix=batch.prefill_max_prefix, out=out)
+                                      max_prefix=batch.prefill_max_prefix, out=out,
+                                      block_ends=batch.prefill_block_ends)
 
 
 class LlamaMLP(nn.Module):

@@ -117,3 +117,14 @@ def test_the_layout_of_a_mixed_step():
     assert f["logits_indices"] == [5, 10, 11]          # the chunk does not reach its last token
     assert [s.seq.request_id for s in plan.sampled] == ["a", "c", "d"] and plan.num_sampled == 3
     assert f["fill_rows"] == [11] and f["fill_src"] == [5]
+    # the prefill attention kernel's query blocks through each chunk (one each here)
+    assert f["prefill_block_ends"] == [1, 2] and plan.fields["prefill_block_ends"][1] == torch.int32
+
+
+def test_the_prefill_kernels_query_blocks_are_counted_on_the_host():
+    """Chunks of 2, BLOCK_M, BLOCK_M + 1 and 3 * BLOCK_M tokens: 1, 1, 2 and 3 query blocks."""
+    from engine.kernels.attention import PREFILL_BLOCK_M as m
+    lens = [2, m, m + 1, 3 * m]
+    seqs = [_seq(str(i), list(range(10, 10 + n)), [], list(range(-(-n // 4))), 0) for i, n in enumerate(lens)]
+    plan = plan_batch([ScheduledSeq(s, 0, n) for s, n in zip(seqs, lens)], 4)
+    assert plan.fields["prefill_block_ends"][0] == [1, 2, 4, 7]

@@ -413,7 +413,7 @@ def test_attention_layer_mixed_step_against_the_reference_path():
     assert torch.equal(v_fused, cache.v)
 
 
-def check_prefill(q_lens, prefix_lens, nh, nkv, hd, dtype, with_cache=True):
+def check_prefill(q_lens, prefix_lens, nh, nkv, hd, dtype, with_cache=True, host_block_ends=False):
     block_size = 16
     ctx_lens = [q + p for q, p in zip(q_lens, prefix_lens)]
     t = sum(q_lens)
@@ -434,8 +434,13 @@ def check_prefill(q_lens, prefix_lens, nh, nkv, hd, dtype, with_cache=True):
         rope.write_kv_ref(k, v, k_cache, v_cache, slots)
     else:
         k_cache = v_cache = tables = None
+    block_ends = None
+    if host_block_ends:     # as engine/batch.py counts them
+        m = attention.PREFILL_BLOCK_M
+        block_ends = torch.tensor(torch.tensor([-(-n // m) for n in q_lens]).cumsum(0).tolist(),
+                                  dtype=torch.int32, device=DEVICE)
     out = attention.prefill_attention_triton(q, k, v, cu, ctx, tables, k_cache, v_cache, scale,
-                                             max(prefix_lens))
+                                             max(prefix_lens), block_ends=block_ends)
     ref = attention.prefill_attention_ref(q, k, v, cu, ctx, tables, k_cache, v_cache, scale)
     assert_close(out, ref, dtype, "prefill")
 
@@ -482,6 +487,10 @@ def test_attention_into_the_callers_buffer():
     assert torch.equal(buf[:t], want) and buf[t:].isnan().all()
     with pytest.raises(ValueError, match="out"):
         attention.prefill_attention(q, k, v, cu, lens, None, None, None, 0.1, out=buf[:t, :, :64])
+
+
+def test_prefill_attention_with_the_hosts_query_blocks(poisoned):
+    check_prefill([1, 260, 129, 40], [50, 300, 0, 0], 4, 2, 64, torch.bfloat16, host_block_ends=True)
 
 
 def test_prefill_attention_one_sequence(poisoned):

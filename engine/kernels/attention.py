@@ -430,7 +430,7 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, sca
 
 
 def prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale,
-                             max_prefix: int = 0, out=None):
+                             max_prefix: int = 0, out=None, block_ends=None):
     t, nh, hd = q.shape
     nkv = k.shape[1]
     n_seqs = context_lens.shape[0]
@@ -443,10 +443,12 @@ def prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables, 
     out = _out(out, q)
     if t == 0:
         return out
-    # query blocks never straddle sequences; block_ends[i] = query blocks of sequences 0..i, counted
-    # on the device (no sync); the grid is the upper bound cdiv(T, BLOCK_M) + n_seqs
-    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-    block_ends = torch.cumsum((q_lens + PREFILL_BLOCK_M - 1) // PREFILL_BLOCK_M, 0).to(torch.int32)
+    # query blocks never straddle sequences; block_ends[i] = query blocks of sequences 0..i (given
+    # by the caller, or counted on the device: no sync); the grid is the upper bound
+    # cdiv(T, BLOCK_M) + n_seqs
+    if block_ends is None:
+        q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+        block_ends = torch.cumsum((q_lens + PREFILL_BLOCK_M - 1) // PREFILL_BLOCK_M, 0).to(torch.int32)
     grid = (triton.cdiv(t, PREFILL_BLOCK_M) + n_seqs, nh)
     block_n, stages = prefill_tiling(q.dtype, max_prefix)
     _prefill_kernel[grid](
@@ -473,11 +475,13 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, new
 
 
 def prefill_attention(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale,
-                      max_prefix: int = 0, out=None):
+                      max_prefix: int = 0, out=None, block_ends=None):
     """max_prefix: the step's longest cached prefix (from the host), which picks the kernel's tiling.
-    out: where the result goes (contiguous, q's shape), else a new tensor."""
+    out: where the result goes (contiguous, q's shape), else a new tensor. block_ends: int32 [P],
+    the running count of each sequence's ceil(q_len / PREFILL_BLOCK_M) query blocks, where the
+    caller has it (engine/batch.py counts it once per step)."""
     if triton_runs(q):
         return prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables,
-                                        k_cache, v_cache, scale, max_prefix, out)
+                                        k_cache, v_cache, scale, max_prefix, out, block_ends)
     o = prefill_attention_ref(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale)
     return o if out is None else _out(out, q).copy_(o)
