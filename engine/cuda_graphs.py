@@ -19,6 +19,8 @@ Both share one memory pool: only one graph runs at a time, and no graph's interm
 """
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 from engine.batch import Batch
@@ -36,6 +38,12 @@ def token_buckets(max_tokens: int) -> list[int]:
         out += [lo + lo // 8 * j for j in range(1, 9)]
         lo *= 2
     return [b for b in out if b < max_tokens] + [max_tokens]
+
+
+def smallest_at_least(buckets: list[int], n: int) -> int | None:
+    """The smallest of the sorted `buckets` that holds n rows (None: n is past the largest)."""
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else None
 
 
 class DecodeGraphs:
@@ -86,10 +94,7 @@ class DecodeGraphs:
             self.graphs[b] = graph
 
     def bucket(self, n: int) -> int | None:
-        for b in self.buckets:
-            if b >= n:
-                return b
-        return None
+        return smallest_at_least(self.buckets, n)
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> torch.Tensor:
@@ -185,10 +190,7 @@ class StepGraphs:
                               for i in range(len(self.model.layers) + 1)]
 
     def bucket(self, n: int) -> int | None:
-        for b in self.buckets:
-            if b >= n:
-                return b
-        return None
+        return smallest_at_least(self.buckets, n)
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> torch.Tensor:

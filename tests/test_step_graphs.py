@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.cuda_graphs import StepGraphs, token_buckets
+from engine.cuda_graphs import BUCKETS, StepGraphs, smallest_at_least, token_buckets
 from engine.engine import Engine
 from engine.sampling import SamplingParams
 
@@ -21,8 +21,10 @@ def test_token_buckets_pad_a_large_step_by_at_most_an_eighth():
         assert b == sorted(set(b)) and b[-1] == top
         assert all(x % 16 == 0 for x in b[:-1])
         for t in range(1, top + 1):
-            pad = next(x for x in b if x >= t)
-            assert pad - t <= max(63, t // 8), (top, t, pad)
+            pad = smallest_at_least(b, t)
+            assert pad == next(x for x in b if x >= t) and pad - t <= max(63, t // 8), (top, t, pad)
+        assert smallest_at_least(b, top + 1) is None
+    assert [smallest_at_least(list(BUCKETS), n) for n in (1, 3, 17, 512, 513)] == [1, 4, 24, 512, None]
 
 
 def run_to_completion(engine, requests) -> list[list[int]]:
