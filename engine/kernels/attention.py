@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.platform import capability, interpreting, jit, sm_count, triton_runs
+from engine.kernels.platform import capability, interpreting, jit, output_buffer, sm_count, triton_runs
 from engine.kernels.rope import apply_rope_ref, check_cache, rope_cos_sin, rope_rotate, write_kv_ref
 
 try:
@@ -378,16 +378,6 @@ def decode_splits(num_seqs: int, num_kv_heads: int, device) -> int:
     return min(64, 1 << (want.bit_length() - 1))
 
 
-def _out(out, q):
-    """The caller's output buffer (contiguous, q's shape and dtype), else a new one."""
-    if out is None:
-        return torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    if out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
-        raise ValueError(f"out: a contiguous {q.dtype} tensor of shape {tuple(q.shape)} is needed, "
-                         f"got {out.dtype} {tuple(out.shape)}")
-    return out
-
-
 def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv=None,
                             num_splits=None, out=None):
     """decode_attention_ref's contract (new_kv included) on the Triton kernels, into `out` where
@@ -399,7 +389,7 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, sca
         raise ValueError("decode_attention needs unit stride along head_dim")
     group = nh // nkv
     splits = num_splits or decode_splits(b, nkv, q.device)
-    out = _out(out, q)
+    out = output_buffer(out, q.shape, q.dtype, q.device)
     if b == 0:
         return out
     if splits > 1:
@@ -440,7 +430,7 @@ def prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables, 
         k_cache = v_cache = k.view(t, 1, nkv, hd)
         block_tables = context_lens.view(n_seqs, 1)
     check_cache(k_cache, v_cache, hd)
-    out = _out(out, q)
+    out = output_buffer(out, q.shape, q.dtype, q.device)
     if t == 0:
         return out
     # query blocks never straddle sequences; block_ends[i] = query blocks of sequences 0..i (given
@@ -471,7 +461,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, new
         return decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv,
                                        out=out)
     o = decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv)
-    return o if out is None else _out(out, q).copy_(o)
+    return o if out is None else output_buffer(out, q.shape, q.dtype, q.device).copy_(o)
 
 
 def prefill_attention(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale,
@@ -484,4 +474,4 @@ def prefill_attention(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache
         return prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables,
                                         k_cache, v_cache, scale, max_prefix, out, block_ends)
     o = prefill_attention_ref(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale)
-    return o if out is None else _out(out, q).copy_(o)
+    return o if out is None else output_buffer(out, q.shape, q.dtype, q.device).copy_(o)

@@ -20,7 +20,7 @@ try:
 except ImportError:  # no Triton: the references run
     triton = None
 
-from engine.kernels.platform import interpreting, jit, triton_runs
+from engine.kernels.platform import interpreting, jit, output_buffer, triton_runs
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -126,14 +126,6 @@ def _rows(x):
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _out_rows(t, like, name):
-    """`t` (a caller's output buffer) as [M, N] rows, checked against `like`'s shape and dtype."""
-    if t.shape != like.shape or t.dtype != like.dtype or not t.is_contiguous():
-        raise ValueError(f"{name}: a contiguous {like.dtype} tensor of shape {tuple(like.shape)} "
-                         f"is needed, got {t.dtype} {tuple(t.shape)}")
-    return t.view(-1, like.shape[-1])
-
-
 def rms_norm_triton(x, weight, eps, residual=None, quant=None, out=None, residual_out=None):
     """The fused kernel; same contract as `rms_norm_ref` (residual_out may alias residual: a
     program reads its whole row before it writes)."""
@@ -144,16 +136,11 @@ def rms_norm_triton(x, weight, eps, residual=None, quant=None, out=None, residua
     n = x.shape[-1]
     x2 = _rows(x)
     m = x2.shape[0]
-    if out is not None:
-        out = _out_rows(out, x, "out")
-    else:
-        out = torch.empty((m, n), device=x.device,
-                          dtype=torch.float8_e4m3fn if quant == "fp8" else x.dtype)
+    out = output_buffer(out, x.shape, torch.float8_e4m3fn if quant == "fp8" else x.dtype, x.device).view(m, n)
     scale = torch.empty(m, device=x.device, dtype=torch.float32) if quant == "fp8" else out
     if residual is not None:
         r2 = _rows(residual)
-        res_out = (_out_rows(residual_out, x, "residual_out") if residual_out is not None
-                   else torch.empty((m, n), device=x.device, dtype=x.dtype))
+        res_out = output_buffer(residual_out, x.shape, x.dtype, x.device, "residual_out").view(m, n)
     else:
         r2, res_out = x2, out  # unused: HAS_RESIDUAL is off
     block, num_warps = row_launch_config(n)

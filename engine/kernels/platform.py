@@ -43,6 +43,17 @@ def triton_runs(t: torch.Tensor) -> bool:
     return triton is not None and (t.is_cuda or interpreting())
 
 
+def output_buffer(out: torch.Tensor | None, shape, dtype: torch.dtype, device, name: str = "out") -> torch.Tensor:
+    """Where a kernel writes: the caller's buffer `out` (the step graphs' static buffers), checked
+    to be contiguous and of this shape and dtype, or else a new tensor."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"{name}: a contiguous {dtype} tensor of shape {tuple(shape)} is needed, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    return out
+
+
 def capability(device: torch.device | str | int | None) -> tuple[int, int] | None:
     """The CUDA compute capability of `device`, or None for a CPU device (or fake_capability's)."""
     device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cpu")

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from engine.kernels.platform import jit, triton_runs
+from engine.kernels.platform import jit, output_buffer, triton_runs
 
 try:
     import triton
@@ -156,8 +156,8 @@ DECODE_TOKENS = 64
 def apply_rope_triton(q, k, positions, inv_freq, kv_write=None, out=None):
     """Rotates q [T, nh, hd] and k [T, nkv, hd] in place (any token/head strides, unit stride along
     hd) and returns them. kv_write = (v, k_cache, v_cache, slot_mapping): also store the rotated k
-    and v at their cache slots, as write_kv_ref would. out (with kv_write): a [T, (nh + 2 nkv) * hd]
-    tensor with unit stride along its rows that takes the rotated q, k and the unrotated v instead,
+    and v at their cache slots, as write_kv_ref would. out (with kv_write): a contiguous
+    [T, (nh + 2 nkv) * hd] tensor that takes the rotated q, k and the unrotated v instead,
     laid out as the fused qkv projection lays them out (q, k, v left as they were); returns the
     rotated (q, k) as views of it."""
     if q.stride(-1) != 1 or k.stride(-1) != 1:
@@ -195,10 +195,7 @@ def _check_out(out, q, heads, kv_write):
     t, _, hd = q.shape
     if kv_write is None:
         raise ValueError("apply_rope: out needs kv_write (v comes with it)")
-    if out.shape != (t, heads * hd) or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError(f"apply_rope: out must be [{t}, {heads * hd}] {q.dtype} with unit stride along "
-                         f"its rows, got {out.dtype} {tuple(out.shape)}")
-    return out
+    return output_buffer(out, (t, heads * hd), q.dtype, q.device, "apply_rope: out")
 
 
 def apply_rope(q, k, positions, inv_freq, kv_write=None, fused=True, out=None):
