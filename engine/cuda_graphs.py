@@ -126,16 +126,14 @@ class StepGraphs:
         self.buckets = token_buckets(max_tokens)
         self.max_tokens = max_tokens
         attn = model.layers[0].self_attn
-        self.heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
-        self.q_size, self.kv_size = attn.q_size, attn.kv_size
         weight = model.embed_tokens.weight
         dev, dtype, n = weight.device, weight.dtype, self.buckets[-1]
         self.scratch_slot = scratch_block * kv_cache.block_size
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
         self.slot_mapping = torch.full((n,), self.scratch_slot, dtype=torch.int64, device=dev)
-        self.qkv = torch.zeros(n, self.q_size + 2 * self.kv_size, dtype=dtype, device=dev)
-        self.attn_out = torch.zeros(n, self.q_size, dtype=dtype, device=dev)
+        self.qkv = torch.zeros(n, attn.q_size + 2 * attn.kv_size, dtype=dtype, device=dev)
+        self.attn_out = torch.zeros(n, attn.num_heads, attn.head_dim, dtype=dtype, device=dev)
         self.residual = torch.zeros(n, weight.shape[1], dtype=dtype, device=dev)
         self.hidden = torch.zeros(n, weight.shape[1], dtype=dtype, device=dev)
         self.pieces: dict[int, list] = {}     # bucket -> piece i's replay (or call)
@@ -198,19 +196,15 @@ class StepGraphs:
         the next run."""
         t = batch.input_ids.shape[0]
         b = self.bucket(t)
-        nh, nkv, hd = self.heads
         self.input_ids[:t].copy_(batch.input_ids, non_blocking=True)
         self.positions[:t].copy_(batch.positions, non_blocking=True)
         self.slot_mapping[:t].copy_(batch.slot_mapping, non_blocking=True)
         # Rows t..b may hold an earlier step's slots: point them back at the scratch block.
         self.slot_mapping[t:b].fill_(self.scratch_slot)
         pieces = self.pieces[b]
-        qkv, out = self.qkv[:t], self.attn_out[:t].view(t, nh, hd)
-        q = qkv[:, :self.q_size].view(t, nh, hd)
-        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, nkv, hd)
-        v = qkv[:, self.q_size + self.kv_size:].view(t, nkv, hd)
+        q, k, v = self.model.layers[0].self_attn.split_qkv(self.qkv[:t])    # the layers' shapes are alike
         for i, layer in enumerate(self.model.layers):
             pieces[i]()
-            layer.self_attn.attend(q, k, v, batch, None, out)
+            layer.self_attn.attend(q, k, v, batch, None, self.attn_out[:t])
         pieces[-1]()
         return self.hidden[:t]

@@ -116,6 +116,18 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(nq, cfg.hidden_size, device, dtype, shards and shards["o"], tp)
         self.fused = True
 
+    def split_qkv(self, qkv):
+        """q [T, heads, hd], k and v [T, kv heads, hd]: views of a [T, q + 2 kv columns] tensor laid
+        out as qkv_proj writes it (q, k, v side by side)."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return (q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
+                v.view(t, self.num_kv_heads, self.head_dim))
+
+    def kv_cache(self, batch):
+        """This layer's (k_cache, v_cache), or (None, None) where the step keeps no cache."""
+        return batch.kv_cache.layer(self.layer_idx) if batch.kv_cache is not None else (None, None)
+
     def project(self, h, positions, batch, inv_freq, out=None):
         """The attention's inputs from the normed rows h [T, hidden]: (q, k, v, new_kv), q [T, heads,
         hd] and k, v [T, kv heads, hd], with this step's K/V stored in the paged cache. The prefill
@@ -123,13 +135,8 @@ class LlamaAttention(nn.Module):
         rotates and stores them itself, in which case new_kv = (their k, v, inv_freq) for it, else
         None. out [T, q + 2 kv columns]: the rotated q, k and v go there (the step graphs' static
         buffer), every row rotated here."""
-        qkv = self.qkv_proj(h)
-        t = qkv.shape[0]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = batch.kv_cache.layer(self.layer_idx) if batch.kv_cache is not None else (None, None)
+        q, k, v = self.split_qkv(self.qkv_proj(h))
+        k_cache, v_cache = self.kv_cache(batch)
         if out is None and batch.num_decodes and k_cache is not None and self.fused and triton_runs(q):
             # The decode rows are rotated, and their K/V stored, by the decode attention kernel
             # itself (one launch less per layer); prefill rows by RoPE's kernel, in place.
@@ -141,14 +148,11 @@ class LlamaAttention(nn.Module):
         # RoPE also stores this step's K/V in the paged cache (one kernel)
         kv_write = (v, k_cache, v_cache, batch.slot_mapping) if k_cache is not None else None
         q, k = apply_rope(q, k, positions, inv_freq, kv_write, self.fused, out)
-        if out is not None:
-            v = out[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        return q, k, v, None
+        return (q, k, v, None) if out is None else (*self.split_qkv(out), None)
 
     def attend(self, q, k, v, batch, new_kv=None, out=None):
         """Attention over the step's rows (`project`'s outputs) -> [T, heads, hd], into out where given."""
-        k_cache, v_cache = batch.kv_cache.layer(self.layer_idx) if batch.kv_cache is not None else (None, None)
-        return attend(q, k, v, batch, k_cache, v_cache, self.scale, new_kv, out)
+        return attend(q, k, v, batch, *self.kv_cache(batch), self.scale, new_kv, out)
 
     def output(self, o):
         """o_proj of the attention's output [T, heads, hd] (all-reduced across ranks)."""
