@@ -82,6 +82,12 @@ class BatchPlan:
             prefill_block_ends=dev["prefill_block_ends"])
 
 
+def query_block_ends(lens: list[int]) -> list[int]:
+    """The prefill attention kernel's query blocks through each chunk: running sums of
+    ceil(len / PREFILL_BLOCK_M) (Batch.prefill_block_ends)."""
+    return np.cumsum([-(-n // PREFILL_BLOCK_M) for n in lens], dtype=np.int64).tolist()
+
+
 def plan_batch(scheduled: list[ScheduledSeq], block_size: int, pending: dict | None = None) -> BatchPlan:
     """pending: sequence -> row of the in-flight step's sampled tokens that holds its last token."""
     prefills = [s for s in scheduled if s.num_tokens > 1]
@@ -115,8 +121,7 @@ def plan_batch(scheduled: list[ScheduledSeq], block_size: int, pending: dict | N
               "slot_mapping": (slots, torch.int64), "prefill_offsets": (offsets[:np_ + 1], torch.int32),
               "context_lens": (ctx, torch.int32), "block_tables": (tables, torch.int32),
               "logits_indices": (logit_rows, torch.int64),
-              "prefill_block_ends": (np.cumsum([-(-n // PREFILL_BLOCK_M) for n in lens], dtype=np.int64).tolist(),
-                                     torch.int32)}
+              "prefill_block_ends": (query_block_ends(lens), torch.int32)}
     if fill_rows:
         fields["fill_rows"] = (fill_rows, torch.int64)
         fields["fill_src"] = (fill_src, torch.int64)
@@ -141,4 +146,5 @@ def build_prefill_only(token_lists: list[list[int]], device) -> Batch:
         prefill_offsets=off, prefill_max_len=max(lens),
         prefill_context_lens=ctx, prefill_block_tables=None, prefill_max_prefix=0,
         num_decodes=0, decode_context_lens=None, decode_block_tables=None,
-        logits_indices=torch.arange(len(ids), device=device), sampled=[])
+        logits_indices=torch.arange(len(ids), device=device), sampled=[],
+        prefill_block_ends=torch.tensor(query_block_ends(lens), dtype=torch.int32, device=device))
