@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench import run_to_completion
 from engine.config import EngineConfig
 from engine.cuda_graphs import BUCKETS, StepGraphs, smallest_at_least, token_buckets
 from engine.engine import Engine
@@ -25,15 +26,6 @@ def test_token_buckets_pad_a_large_step_by_at_most_an_eighth():
             assert pad == next(x for x in b if x >= t) and pad - t <= max(63, t // 8), (top, t, pad)
         assert smallest_at_least(b, top + 1) is None
     assert [smallest_at_least(list(BUCKETS), n) for n in (1, 3, 17, 512, 513)] == [1, 4, 24, 512, None]
-
-
-def run_to_completion(engine, requests) -> list[list[int]]:
-    outs = {rid: [] for rid, _, _ in requests}
-    for rid, ids, params in requests:
-        engine.add_request(rid, ids, params, lambda chunk, o=outs[rid]: o.extend(chunk.token_ids))
-    while engine.has_work():
-        engine.step()
-    return [outs[rid] for rid, _, _ in requests]
 
 
 def _requests(tag, lengths, max_tokens, seed):
