@@ -278,8 +278,8 @@ class Engine:
         """Building failed on this rank: the spawned ranks are killed, not waited for."""
         if self.workers is not None:
             self.workers.join(timeout=0)
-        self.tp = None
-        leave_group()
+        tp, self.tp = self.tp, None
+        leave_group(tp)
 
     def close(self) -> None:
         """Rank 0: stop the other ranks and leave the process group (no process is left behind)."""
@@ -293,7 +293,7 @@ class Engine:
             pass        # a rank is already gone; the others see the broken group and exit
         if self.workers is not None:
             self.workers.join(timeout=30)
-        leave_group()
+        leave_group(tp)
 
     def idle(self) -> None:
         """Called by the engine thread when it has nothing to run: keeps idle ranks in touch."""

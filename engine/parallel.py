@@ -5,8 +5,9 @@ Process model. One process per device. Rank 0 is the caller's process: it schedu
 serves. `start_workers` spawns ranks 1..N-1 (or torchrun started them: `from_environment`); each
 builds the same Engine on its shards (engine/engine.py) and then runs `serve_steps`: it waits for a
 message from rank 0 and runs the forward it names. Collectives go through two groups:
-- the device group (NCCL on GPUs, gloo on the CPU): the model's all-reduces and the logits gather,
-  queued on the compute stream like any kernel, captured inside the decode CUDA graphs;
+- the device group (NCCL on GPUs; on the CPU, the host group): the model's all-reduces and the
+  logits gather, queued on the compute stream like any kernel, captured inside the decode CUDA
+  graphs;
 - the host group (gloo): one broadcast per step carrying the step's packed inputs (the bytes rank 0
   uploads itself), so a worker does no scheduling, no per-layer round trip and never waits for its
   device. A rank blocked in that broadcast while rank 0 is idle is kept alive by `keepalive`.
@@ -138,16 +139,28 @@ def init_group(rank: int, size: int, device: torch.device, init_method: str | No
     kw = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=size,
                             timeout=timeout, **kw)
-    host = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
-    return TPGroup(rank, size, dist.group.WORLD, host)
+    # The gloo collectives run on a group of the engine's own, never on the default one: other code
+    # keeps the default group alive (torch.distributed.nn's functions hold it as a default argument
+    # once imported), and only a group whose last handle the engine drops can be torn down
+    # (`leave_group`).
+    host = dist.new_group(backend="gloo", timeout=timeout)
+    return TPGroup(rank, size, dist.group.WORLD if backend == "nccl" else host, host)
 
 
-def leave_group() -> None:
-    """Leave the process group, broken or not: the process goes on without it."""
+def leave_group(tp: TPGroup | None) -> None:
+    """Leave the process group, broken or not: the process goes on without it.
+
+    `tp`'s handles on the groups are dropped too (the model's layers share it). Dropping the last
+    handle on a gloo group joins its worker threads, and that must happen while the interpreter
+    still runs: a worker frees a finished collective's tensors after the caller has returned, which
+    takes the GIL, and a thread that takes the GIL during interpreter exit aborts the process
+    ("terminate called without an active exception")."""
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - a broken group may fail to tear down
         pass
+    if tp is not None:
+        tp.device_group = tp.host_group = None
 
 
 def from_environment() -> tuple[int, int, int] | None:
