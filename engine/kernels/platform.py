@@ -103,15 +103,6 @@ def cute_available() -> bool:
 
 
 @functools.cache
-def torchao_sparse_fp8_available() -> bool:
-    try:
-        import torchao.ops as ops
-        return hasattr(ops, "rowwise_scaled_linear_sparse_cutlass_f8f8")
-    except ImportError:
-        return False
-
-
-@functools.cache
 def library_versions() -> dict[str, str]:
     """Versions that change what a kernel compiles to: part of every tuning-cache key."""
     versions = {"torch": torch.__version__, "triton": getattr(triton, "__version__", "none")}

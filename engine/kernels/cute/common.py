@@ -7,21 +7,9 @@ when only the batch changes. Set CUTE_DSL_ARCH=sm_90a / sm_100a to compile witho
 """
 from __future__ import annotations
 
-import os
 import threading
 
 import torch
-
-
-def target_arch() -> str:
-    """The architecture kernels are compiled for: CUTE_DSL_ARCH, else the current GPU's."""
-    arch = os.environ.get("CUTE_DSL_ARCH")
-    if arch:
-        return arch
-    if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        return f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
-    raise RuntimeError("no GPU and CUTE_DSL_ARCH is unset: set CUTE_DSL_ARCH=sm_90a or sm_100a")
 
 
 def cutlass_dtype(dtype: torch.dtype):
