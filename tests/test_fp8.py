@@ -10,6 +10,7 @@ import torch
 
 from engine.formats import fp8
 from engine.kernels import fp8_triton
+from tests.cute_ptx import compile_in_subprocess
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BF16_ROUNDING = 2.5e-3  # bf16 output rounding alone gives ~1.7e-3 relative (8-bit significand)
@@ -192,8 +193,8 @@ COMPILE_SM90 = """
 
 
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("cutlass"), reason="needs nvidia-cutlass-dsl")
-def test_sm90_kernel_compiles_to_e4m3_wgmma():
-    out = run_python(COMPILE_SM90, {"CUTE_DSL_ARCH": "sm_90a"})
+def test_sm90_kernel_compiles_to_e4m3_wgmma(tmp_path):
+    out = compile_in_subprocess(COMPILE_SM90, "sm_90a", tmp_path)
     lines = [l.split() for l in out.splitlines() if l.startswith("PTX")]
     assert len(lines) == 2
     for fields, batch in zip(lines, (8, 4)):
@@ -214,8 +215,8 @@ COMPILE_SM100 = """
 
 
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("cutlass"), reason="needs nvidia-cutlass-dsl")
-def test_sm100_kernel_compiles_to_tcgen05_one_and_two_sm():
-    out = run_python(COMPILE_SM100, {"CUTE_DSL_ARCH": "sm_100a"})
+def test_sm100_kernel_compiles_to_tcgen05_one_and_two_sm(tmp_path):
+    out = compile_in_subprocess(COMPILE_SM100, "sm_100a", tmp_path)
     lines = [l.split() for l in out.splitlines() if l.startswith("PTX")]
     assert [f[1] for f in lines] == ["1", "2"]
     for fields in lines:

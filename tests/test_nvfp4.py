@@ -3,16 +3,13 @@ the Triton kernels against the reference (interpreter on the CPU, compiled on th
 selection per architecture, the CuTe DSL kernel compiled for sm_100, and the GPU kernels on Llama
 shapes."""
 import importlib.util
-import os
-import subprocess
-import sys
-import textwrap
 
 import torch
 
 import pytest
 
 from engine.formats import nvfp4 as nv
+from tests.cute_ptx import compile_in_subprocess
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -415,30 +412,19 @@ def test_triton_dequantize_small():
 
 # --- CuTe DSL kernels, compiled on the CPU ------------------------------------------------------
 
-def compile_in_subprocess(code: str, arch: str) -> str:
-    """Run code with CUTE_DSL_ARCH=arch in a fresh interpreter (the arch is read at import)."""
-    env = dict(os.environ, CUTE_DSL_ARCH=arch)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc.stdout
-
-
 needs_cute = pytest.mark.skipif(importlib.util.find_spec("cutlass") is None,
                                 reason="needs nvidia-cutlass-dsl")
 
 
 @needs_cute
-def test_sm100_kernel_compiles_to_block_scaled_tcgen05():
+def test_sm100_kernel_compiles_to_block_scaled_tcgen05(tmp_path):
     out = compile_in_subprocess("""
         from engine.kernels.cute.nvfp4_gemm_sm100 import compiled_gemm
         ptx = compiled_gemm(1024, 512).__ptx__
         for pattern in ("tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale", "tcgen05.cp",
                         "tcgen05.ld", "cp.async.bulk.tensor", "tcgen05.alloc", ".target sm_100a"):
             print(pattern, ptx.count(pattern))
-    """, "sm_100a")
+    """, "sm_100a", tmp_path)
     counts = {line.rsplit(" ", 1)[0]: int(line.rsplit(" ", 1)[1]) for line in out.splitlines()}
     # A 256-deep k-tile is 4 MMAs of k64, each with e4m3 scales for 16-element blocks.
     assert counts["tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale"] == 4, counts

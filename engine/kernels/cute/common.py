@@ -3,7 +3,8 @@
 CuTe DSL is imported only when a kernel is compiled (importing it costs ~2 s and needs the
 nvidia-cutlass-dsl package, which the CPU-only install may lack). Kernels take raw device pointers
 plus the dynamic extents as scalars, so one compiled kernel serves every M: nothing is recompiled
-when only the batch changes. Set CUTE_DSL_ARCH=sm_90a / sm_100a to compile without a GPU.
+when only the batch changes. Set CUTE_DSL_ARCH=sm_90a / sm_100a to compile without a GPU, and
+CUTE_DSL_KEEP=ptx with CUTE_DSL_DUMP_DIR to keep the PTX (`__ptx__`), as tests/cute_ptx.py does.
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def compile_scaled_gemm(kernel, stream=None):
     return cute.compile(
         kernel, gmem_ptr(fp8), gmem_ptr(fp8), gmem_ptr(f32, align=4), gmem_ptr(f32, align=4),
         gmem_ptr(bf16), gmem_ptr(bf16), cutlass.Int32(1),
-        stream if stream is not None else placeholder_stream(), options="--keep-ptx")
+        stream if stream is not None else placeholder_stream())
 
 
 def tensor_ptr(t: torch.Tensor, align: int = 16):

@@ -63,7 +63,7 @@ class Nvfp4GemmSm100:
         return cute.compile(
             self, gmem_ptr(fp4, align=32), gmem_ptr(fp4, align=32), gmem_ptr(e4m3),
             gmem_ptr(e4m3), gmem_ptr(f32, align=4), gmem_ptr(bf16), cutlass.Int32(1),
-            placeholder_stream(), options="--keep-ptx")
+            placeholder_stream())
 
     # ---------------------------------------------------------------- host side
     @cute.jit
