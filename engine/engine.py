@@ -423,9 +423,10 @@ class Engine:
         except RuntimeError as e:   # a backend that cannot be captured: run decode eagerly
             log.warning("CUDA graph capture failed, decode steps run eagerly: %s", e)
             torch.cuda.synchronize()
+        # Counted from what is kept: a capture that failed part-way leaves graphs nothing replays.
         log.info("captured CUDA graphs in %.1f s: %d step sizes up to %d tokens, %d decode batch sizes",
-                 time.perf_counter() - t0, len(steps.pieces), c.max_num_batched_tokens,
-                 len(graphs.graphs))
+                 time.perf_counter() - t0, len(self.step_graphs.pieces) if self.step_graphs else 0,
+                 c.max_num_batched_tokens, len(self.graphs.graphs) if self.graphs else 0)
 
     # ---------------------------------------------------------------- requests
 

@@ -186,9 +186,7 @@ def apply_rope_triton(q, k, positions, inv_freq, kv_write=None, out=None):
             *cache["c_strides"], out_rows.stride(0), nh, nkv, heads, hd // 2, HEADS=per_program,
             HALF=triton.next_power_of_2(hd // 2), WRITE_KV=kv_write is not None, PAGE=cache["page"],
             OUT=out is not None, num_warps=4)
-    if out is not None:
-        return out[:, :nh * hd].view(t, nh, hd), out[:, nh * hd:(nh + nkv) * hd].view(t, nkv, hd)
-    return q, k
+    return (q, k) if out is None else _rotated_of(out, nh, nkv, hd)
 
 
 def _check_out(out, q, heads, kv_write):
@@ -196,6 +194,12 @@ def _check_out(out, q, heads, kv_write):
     if kv_write is None:
         raise ValueError("apply_rope: out needs kv_write (v comes with it)")
     return output_buffer(out, (t, heads * hd), q.dtype, q.device, "apply_rope: out")
+
+
+def _rotated_of(out, nh, nkv, hd):
+    """The rotated (q [T, nh, hd], k [T, nkv, hd]) as views of `out` (apply_rope_triton's layout)."""
+    t = out.shape[0]
+    return out[:, :nh * hd].view(t, nh, hd), out[:, nh * hd:(nh + nkv) * hd].view(t, nkv, hd)
 
 
 def apply_rope(q, k, positions, inv_freq, kv_write=None, fused=True, out=None):
@@ -206,14 +210,15 @@ def apply_rope(q, k, positions, inv_freq, kv_write=None, fused=True, out=None):
     fused-kernels switch)."""
     if fused and triton_runs(q):
         return apply_rope_triton(q, k, positions, inv_freq, kv_write, out)
+    t, nh, hd = q.shape
+    nkv = k.shape[1]
+    if out is not None:     # checked before anything is written, as the Triton path does
+        _check_out(out, q, nh + 2 * nkv, kv_write)
     q, k = apply_rope_ref(q, k, positions, inv_freq)
     if kv_write is not None:
         v, k_cache, v_cache, slots = kv_write
         write_kv_ref(k, v, k_cache, v_cache, slots)
-    if out is not None:
-        t, nh, hd = q.shape
-        nkv = k.shape[1]
-        _check_out(out, q, nh + 2 * nkv, kv_write)
-        out.copy_(torch.cat([q.reshape(t, -1), k.reshape(t, -1), kv_write[0].reshape(t, -1)], 1))
-        return out[:, :nh * hd].view(t, nh, hd), out[:, nh * hd:(nh + nkv) * hd].view(t, nkv, hd)
-    return q, k
+    if out is None:
+        return q, k
+    out.copy_(torch.cat([q.reshape(t, -1), k.reshape(t, -1), kv_write[0].reshape(t, -1)], 1))
+    return _rotated_of(out, nh, nkv, hd)
