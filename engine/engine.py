@@ -31,6 +31,7 @@ import torch
 
 from engine.batch import PLACEHOLDER, BatchPlan, build_prefill_only, plan_batch
 from engine.config import EngineConfig, resolve_device, resolve_dtype, resolve_formats
+from engine.kernels.attention import compile_step_kernels
 from engine.kernels.platform import triton_runs
 from engine.kernels.select import m_bucket
 from engine.kernels.tuner import Tuner
@@ -227,6 +228,9 @@ class Engine:
         self.sampler = Sampler(self.device, config.seed)
         self._tune()
         self.graphs = self.step_graphs = None
+        if self.device.type == "cuda":   # compiled now, not in the middle of a serving step
+            compile_step_kernels(*self.kv_cache.layer(0), self.model.layers[0].self_attn.num_heads,
+                                 self.kv_cache.scratch_block)
         # Streamed layers swap their weights in forward hooks, which a captured graph would skip.
         if self.device.type == "cuda" and config.cuda_graphs and self.streamer is None:
             self._capture_graphs()

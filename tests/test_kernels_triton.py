@@ -497,6 +497,35 @@ def test_prefill_attention_one_sequence(poisoned):
     check_prefill([45], [20], 4, 1, 64, torch.bfloat16)
 
 
+def test_prefill_attention_more_sequences_than_one_owner_search_chunk(poisoned):
+    """More sequences than the kernel's owner search reads at a time (SEQ_CHUNK): the query blocks
+    past the first chunk's sequences still find their own."""
+    n = attention.SEQ_CHUNK + 6
+    q_lens = torch.randint(1, 6, (n,)).tolist()
+    prefixes = [(i % 3) * 7 for i in range(n)]
+    check_prefill(q_lens, prefixes, 4, 2, 32, torch.float32, host_block_ends=True)
+
+
+def test_decode_attention_of_a_mixed_steps_rows(poisoned):
+    """A mixed step's decode rows come after its prefill rows: the kernel is handed row slices of
+    the step's block tables and context lengths, at any offset (so at any alignment)."""
+    lens = [40, 3, 77, 16, 17, 130]
+    for first in (1, 2, 3):
+        k_cache, v_cache, tables, ctx = decode_cache(lens, 2, 64, torch.float32)
+        q = torch.randn(len(lens) - first, 4, 64, device=DEVICE)
+        out = attention.decode_attention_triton(q, k_cache, v_cache, tables[first:], ctx[first:], 0.125)
+        ref = attention.decode_attention_ref(q, k_cache, v_cache, tables[first:], ctx[first:], 0.125)
+        assert_close(out, ref, torch.float32, f"decode rows from row {first}")
+
+
+def test_compile_step_kernels_reads_only_the_scratch_block_and_writes_no_cache():
+    """The engine's start-up compile of the attention kernels runs them on its scratch block alone."""
+    k_cache, v_cache = paged_cache(5, 16, 2, 64, torch.float32)
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    attention.compile_step_kernels(k_cache, v_cache, 4, block=4)
+    assert torch.equal(k_cache, k0) and torch.equal(v_cache, v0)
+
+
 def test_prefill_attention_without_cache(poisoned):
     """The embedding path: no paged cache at all, prompts only."""
     check_prefill([3, 20], [0, 0], 4, 2, 64, torch.float32, with_cache=False)
@@ -627,6 +656,54 @@ def test_gpu_prefill_attention_flash(poisoned, nh, nkv, hd):
     ctx = torch.tensor(q_lens, dtype=torch.int32, device=DEVICE)
     ref = attention.prefill_attention_ref(q, k, v, cu, ctx, None, None, None, hd ** -0.5)
     assert_close(out, ref, torch.bfloat16, "prefill (flash)")
+
+
+def compiled_binaries(kernel) -> int:
+    """How many binaries Triton has compiled of `kernel` (one per specialisation and device)."""
+    return sum(len(cache[0]) for cache in kernel.device_caches.values())
+
+
+@pytest.mark.gpu
+def test_gpu_attention_kernels_compile_once_for_every_step_shape():
+    """Serving launches the attention kernels outside the step graphs on each step's own shapes:
+    any number of sequences, block tables of any width, decode rows at any row of a mixed step, any
+    split count. What the engine compiles at start (compile_step_kernels, and the decode kernel with
+    RoPE, which the decode graphs' capture compiles) serves them all: a shape that needed another
+    binary would compile while every request waits."""
+    nh, nkv, hd, dtype, page = 32, 8, 128, torch.bfloat16, 16
+    inv_freq = rope.rope_inv_freq(hd, 500000.0, LLAMA3_SCALING).to(DEVICE)
+    k_cache, v_cache = paged_cache(2 * 70 * 2200 // page, page, nkv, hd, dtype)
+    kernels = (attention._decode_kernel, attention._decode_merge_kernel, attention._prefill_kernel)
+    attention.compile_step_kernels(k_cache, v_cache, nh, block=0)
+
+    def step(rows, longest, rope_rows):
+        """A mixed step's attention: `rows` prefill chunks with cached prefixes, then as many decode
+        rows, handed over as row slices of the step's block tables and context lengths (int32, as
+        uploaded), which start at a different alignment for each row count."""
+        q_lens = torch.randint(1, 200, (rows,)).tolist()
+        prefixes = torch.randint(1, longest + 1, (rows,)).tolist()
+        lens = [q + p for q, p in zip(q_lens, prefixes)] + torch.randint(1, longest + 1, (rows,)).tolist()
+        ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+        tables = block_tables_for(lens, page, k_cache.shape[0])
+        t = sum(q_lens)
+        cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+        qkv = torch.randn(t, (nh + 2 * nkv) * hd, device=DEVICE, dtype=dtype)
+        q, k, v = (qkv[:, :nh * hd].view(t, nh, hd), qkv[:, nh * hd:(nh + nkv) * hd].view(t, nkv, hd),
+                   qkv[:, (nh + nkv) * hd:].view(t, nkv, hd))
+        attention.prefill_attention(q, k, v, cu, ctx[:rows], tables[:rows], k_cache, v_cache, hd ** -0.5,
+                                    max(prefixes))
+        qd = torch.randn(rows, nh, hd, device=DEVICE, dtype=dtype)
+        new_kv = (torch.randn(rows, nkv, hd, device=DEVICE, dtype=dtype),
+                  torch.randn(rows, nkv, hd, device=DEVICE, dtype=dtype), inv_freq) if rope_rows else None
+        attention.decode_attention(qd, k_cache, v_cache, tables[rows:], ctx[rows:], hd ** -0.5, new_kv)
+
+    step(1, 5, rope_rows=True)            # what the decode graphs' capture compiles
+    before = [compiled_binaries(kernel) for kernel in kernels]
+    for rows, longest in [(1, 5), (2, 40), (3, 300), (7, 17), (16, 1000), (33, 260), (70, 64), (5, 2100)]:
+        for rope_rows in (False, True):
+            step(rows, longest, rope_rows)
+    grown = [compiled_binaries(kernel) - b for kernel, b in zip(kernels, before)]
+    assert grown == [0, 0, 0], f"binaries compiled while 'serving' (decode, merge, prefill): {grown}"
 
 
 @pytest.mark.gpu

@@ -144,20 +144,25 @@ def _rotate_head(x_ptr, d, partner, first, cos, sin):
     return tl.where(first, y1, y2)
 
 
-@jit
+# The attention kernels run outside the step graphs, on each step's own shapes. What changes from
+# step to step is therefore a runtime argument that Triton must not specialise on: the sequence
+# count, the block tables' width, the split count, and the alignment of a mixed step's decode rows
+# inside its block tables and context lengths. One binary then serves every step; any other new
+# specialisation would compile in the middle of serving and stall every request meanwhile.
+@jit(do_not_specialize=["bt_stride", "num_splits"],
+     do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
                    context_lens_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, scale_log2e,
                    q_stride_b, q_stride_h, k_stride_b, k_stride_h, v_stride_b, v_stride_h,
-                   c_stride_block, c_stride_row, c_stride_head, bt_stride, n_heads,
+                   c_stride_block, c_stride_row, c_stride_head, bt_stride, n_heads, num_splits,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, ROPE: tl.constexpr,
-                   EXACT_FP32: tl.constexpr):
+                   BLOCK_N: tl.constexpr, ROPE: tl.constexpr, EXACT_FP32: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq)
     # this split's keys: a BLOCK_N-aligned share of the context (empty for late splits of short ones)
-    split_len = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(ctx, start + split_len)
 
@@ -206,29 +211,30 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, 
         v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, EXACT_FP32)
         m = m_new
-    if NUM_SPLITS == 1:
+    if num_splits == 1:
         o = acc / l[:, None]
         tl.store(out_ptr + (seq * n_heads + heads)[:, None] * HEAD_DIM + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=is_head[:, None])
     else:
-        part = (seq * n_heads + heads) * NUM_SPLITS + split
+        part = (seq * n_heads + heads) * num_splits + split
         tl.store(part_max_ptr + part, m, mask=is_head)
         tl.store(part_sum_ptr + part, l, mask=is_head)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc,
                  mask=(is_head & (l > 0))[:, None])   # an empty split writes no acc
 
 
-@jit
-def _decode_merge_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
-                         NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+@jit(do_not_specialize=["num_splits"])
+def _decode_merge_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, num_splits,
+                         MAX_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Merge one (sequence, head)'s per-split softmax partials: rescale each to the global max."""
     row = tl.program_id(0).to(tl.int64)    # seq * n_heads + head
-    s = tl.arange(0, NUM_SPLITS)
+    s = tl.arange(0, MAX_SPLITS)
     d = tl.arange(0, HEAD_DIM)
-    m = tl.load(part_max_ptr + row * NUM_SPLITS + s)
-    l = tl.load(part_sum_ptr + row * NUM_SPLITS + s)
+    real = s < num_splits
+    m = tl.load(part_max_ptr + row * num_splits + s, mask=real, other=float("-inf"))
+    l = tl.load(part_sum_ptr + row * num_splits + s, mask=real, other=0.0)
     w = tl.exp2(m - tl.max(m, axis=0))     # empty splits: m = -inf, weight 0
-    acc = tl.load(part_acc_ptr + (row * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :],
+    acc = tl.load(part_acc_ptr + (row * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
                   mask=(l > 0)[:, None], other=0.0)   # empty splits wrote no acc
     o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
     tl.store(out_ptr + row * HEAD_DIM + d, o.to(out_ptr.dtype.element_ty))
@@ -271,21 +277,24 @@ def _cached_tile(k_cache_ptr, v_cache_ptr, table_ptr, n0, prefix, d, kv_head, c_
     return k, v
 
 
-@jit
+@jit(do_not_specialize=["bt_stride", "n_seqs"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
                     cu_seqlens_ptr, context_lens_ptr, block_ends_ptr, out_ptr, scale_log2e,
                     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
                     c_stride_block, c_stride_row, c_stride_head, bt_stride, n_seqs, n_heads,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEQS_PAD: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEQ_CHUNK: tl.constexpr,
                     EXACT_FP32: tl.constexpr):
     pid = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
-    # the sequence that owns query block `pid`: block_ends is the running count of BLOCK_M blocks
-    i = tl.arange(0, SEQS_PAD)
-    block_ends = tl.load(block_ends_ptr + i, mask=i < n_seqs, other=2**30)
-    seq = tl.sum((block_ends <= pid).to(tl.int32), axis=0)
+    # the sequence that owns query block `pid`: the count of sequences whose running total of
+    # BLOCK_M blocks (block_ends) is <= pid, SEQ_CHUNK sequences at a time
+    seq = tl.zeros([], tl.int32)
+    for i0 in range(0, n_seqs, SEQ_CHUNK):
+        i = i0 + tl.arange(0, SEQ_CHUNK)
+        block_ends = tl.load(block_ends_ptr + i, mask=i < n_seqs, other=2**30)
+        seq += tl.sum((block_ends <= pid).to(tl.int32), axis=0)
     if seq >= n_seqs:                      # the grid is an upper bound on the block count
         return
     q_start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
@@ -341,6 +350,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_
 
 LOG2E = 1.4426950408889634
 DECODE_BLOCK_N = 64       # keys per tile of the decode kernel
+MAX_DECODE_SPLITS = 64   # splits of one sequence's context, at most (decode_splits)
+SEQ_CHUNK = 64           # sequences the prefill kernel's owner search reads at a time
 PREFILL_BLOCK_M = 128     # queries per program of the prefill kernel
 LONG_PREFIX = 2048        # cached tokens from which the prefill kernel pipelines 3 key tiles deep
 FRESH_PROMPT_LEN = 512    # prompts without a prefix averaging this long take the prefill kernel, not FA2
@@ -375,7 +386,7 @@ def decode_splits(num_seqs: int, num_kv_heads: int, device) -> int:
     if device.type != "cuda":
         return 4   # the interpreter: exercise the split-and-merge path
     want = -(-2 * sm_count(device) // max(num_seqs * num_kv_heads, 1))
-    return min(64, 1 << (want.bit_length() - 1))
+    return min(MAX_DECODE_SPLITS, 1 << (want.bit_length() - 1))
 
 
 def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv=None,
@@ -389,6 +400,8 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, sca
         raise ValueError("decode_attention needs unit stride along head_dim")
     group = nh // nkv
     splits = num_splits or decode_splits(b, nkv, q.device)
+    if not 1 <= splits <= MAX_DECODE_SPLITS:
+        raise ValueError(f"num_splits: must be in 1..{MAX_DECODE_SPLITS}, got {splits}")
     out = output_buffer(out, q.shape, q.dtype, q.device)
     if b == 0:
         return out
@@ -409,13 +422,13 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, sca
     _decode_kernel[(b, nkv, splits)](
         q, *new[:3], k_cache, v_cache, block_tables, context_lens, out, part_acc, part_max, part_sum,
         scale * LOG2E, q.stride(0), q.stride(1), *new[3:], k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), block_tables.stride(0), nh, GROUP=group,
+        k_cache.stride(2), block_tables.stride(0), nh, splits, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=hd, PAGE=k_cache.shape[1],
-        BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=splits, ROPE=new_kv is not None,
+        BLOCK_N=DECODE_BLOCK_N, ROPE=new_kv is not None,
         EXACT_FP32=_exact_fp32_dot(q.dtype), num_warps=4, num_stages=3)
     if splits > 1:
-        _decode_merge_kernel[(b * nh,)](part_acc, part_max, part_sum, out, NUM_SPLITS=splits,
-                                        HEAD_DIM=hd, num_warps=4)
+        _decode_merge_kernel[(b * nh,)](part_acc, part_max, part_sum, out, splits,
+                                        MAX_SPLITS=MAX_DECODE_SPLITS, HEAD_DIM=hd, num_warps=4)
     return out
 
 
@@ -446,8 +459,7 @@ def prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables, 
         scale * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), n_seqs, nh,
         GROUP=nh // nkv, HEAD_DIM=hd, PAGE=k_cache.shape[1], BLOCK_M=PREFILL_BLOCK_M,
-        BLOCK_N=block_n, SEQS_PAD=triton.next_power_of_2(n_seqs),
-        EXACT_FP32=_exact_fp32_dot(q.dtype), num_warps=8 if hd > 64 else 4, num_stages=stages)
+        BLOCK_N=block_n, SEQ_CHUNK=SEQ_CHUNK, EXACT_FP32=_exact_fp32_dot(q.dtype), num_warps=8 if hd > 64 else 4, num_stages=stages)
     return out
 
 
@@ -462,6 +474,28 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, new
                                        out=out)
     o = decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv)
     return o if out is None else output_buffer(out, q.shape, q.dtype, q.device).copy_(o)
+
+
+def compile_step_kernels(k_cache, v_cache, num_heads: int, block: int) -> None:
+    """Compile, before serving, the attention kernels a step launches outside its CUDA graphs: the
+    decode kernel for a mixed step's decode rows (K/V already stored: no RoPE), split and merged,
+    and the prefill kernel in both of its tilings (a short and a LONG_PREFIX cached prefix). The
+    decode graphs' capture compiles the decode kernel with RoPE. Every key read is in `block` of the
+    cache (the engine's scratch block); the outputs are dropped. Triton only: a no-op elsewhere."""
+    _, page, nkv, hd = k_cache.shape
+    q = torch.zeros(1, num_heads, hd, device=k_cache.device, dtype=k_cache.dtype)
+    if not triton_runs(q):
+        return
+    device = q.device
+    for prefix in (1, LONG_PREFIX):
+        width = -(-(prefix + 1) // page)
+        tables = torch.full((1, width), block, dtype=torch.int32, device=device)
+        ctx = torch.tensor([prefix + 1], dtype=torch.int32, device=device)
+        cu = torch.tensor([0, 1], dtype=torch.int32, device=device)
+        kv = torch.zeros(1, nkv, hd, device=device, dtype=q.dtype)
+        prefill_attention_triton(q, kv, kv, cu, ctx, tables, k_cache, v_cache, 1.0, prefix)
+        for splits in (1, 2):
+            decode_attention_triton(q, k_cache, v_cache, tables, ctx, 1.0, num_splits=splits)
 
 
 def prefill_attention(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale,
