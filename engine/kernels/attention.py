@@ -148,7 +148,8 @@ def _rotate_head(x_ptr, d, partner, first, cos, sin):
 # step to step is therefore a runtime argument that Triton must not specialise on: the sequence
 # count, the block tables' width, the split count, and the alignment of a mixed step's decode rows
 # inside its block tables and context lengths. One binary then serves every step; any other new
-# specialisation would compile in the middle of serving and stall every request meanwhile.
+# specialisation would compile in the middle of serving and stall every request meanwhile. (The
+# merge keeps the split count compile-time, for its tile: compile_step_kernels builds all six.)
 @jit(do_not_specialize=["bt_stride", "num_splits"],
      do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
@@ -223,18 +224,18 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, 
                  mask=(is_head & (l > 0))[:, None])   # an empty split writes no acc
 
 
-@jit(do_not_specialize=["num_splits"])
-def _decode_merge_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, num_splits,
-                         MAX_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Merge one (sequence, head)'s per-split softmax partials: rescale each to the global max."""
+@jit
+def _decode_merge_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
+                         NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Merge one (sequence, head)'s per-split softmax partials: rescale each to the global max.
+    One binary per split count, a power of two up to MAX_DECODE_SPLITS: all compiled at start."""
     row = tl.program_id(0).to(tl.int64)    # seq * n_heads + head
-    s = tl.arange(0, MAX_SPLITS)
+    s = tl.arange(0, NUM_SPLITS)
     d = tl.arange(0, HEAD_DIM)
-    real = s < num_splits
-    m = tl.load(part_max_ptr + row * num_splits + s, mask=real, other=float("-inf"))
-    l = tl.load(part_sum_ptr + row * num_splits + s, mask=real, other=0.0)
+    m = tl.load(part_max_ptr + row * NUM_SPLITS + s)
+    l = tl.load(part_sum_ptr + row * NUM_SPLITS + s)
     w = tl.exp2(m - tl.max(m, axis=0))     # empty splits: m = -inf, weight 0
-    acc = tl.load(part_acc_ptr + (row * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
+    acc = tl.load(part_acc_ptr + (row * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :],
                   mask=(l > 0)[:, None], other=0.0)   # empty splits wrote no acc
     o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
     tl.store(out_ptr + row * HEAD_DIM + d, o.to(out_ptr.dtype.element_ty))
@@ -400,8 +401,8 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, sca
         raise ValueError("decode_attention needs unit stride along head_dim")
     group = nh // nkv
     splits = num_splits or decode_splits(b, nkv, q.device)
-    if not 1 <= splits <= MAX_DECODE_SPLITS:
-        raise ValueError(f"num_splits: must be in 1..{MAX_DECODE_SPLITS}, got {splits}")
+    if splits < 1 or splits > MAX_DECODE_SPLITS or splits & (splits - 1):
+        raise ValueError(f"num_splits: must be a power of two up to {MAX_DECODE_SPLITS}, got {splits}")
     out = output_buffer(out, q.shape, q.dtype, q.device)
     if b == 0:
         return out
@@ -427,8 +428,8 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, sca
         BLOCK_N=DECODE_BLOCK_N, ROPE=new_kv is not None,
         EXACT_FP32=_exact_fp32_dot(q.dtype), num_warps=4, num_stages=3)
     if splits > 1:
-        _decode_merge_kernel[(b * nh,)](part_acc, part_max, part_sum, out, splits,
-                                        MAX_SPLITS=MAX_DECODE_SPLITS, HEAD_DIM=hd, num_warps=4)
+        _decode_merge_kernel[(b * nh,)](part_acc, part_max, part_sum, out, NUM_SPLITS=splits,
+                                        HEAD_DIM=hd, num_warps=4)
     return out
 
 
@@ -478,8 +479,8 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, new
 
 def compile_step_kernels(k_cache, v_cache, num_heads: int, block: int) -> None:
     """Compile, before serving, the attention kernels a step launches outside its CUDA graphs: the
-    decode kernel for a mixed step's decode rows (K/V already stored: no RoPE), split and merged,
-    and the prefill kernel in both of its tilings (a short and a LONG_PREFIX cached prefix). The
+    decode kernel for a mixed step's decode rows (K/V already stored: no RoPE), the merge for every
+    split count, and the prefill kernel in both of its tilings (a short and a LONG_PREFIX cached prefix). The
     decode graphs' capture compiles the decode kernel with RoPE. Every key read is in `block` of the
     cache (the engine's scratch block); the outputs are dropped. Triton only: a no-op elsewhere."""
     _, page, nkv, hd = k_cache.shape
@@ -494,8 +495,8 @@ def compile_step_kernels(k_cache, v_cache, num_heads: int, block: int) -> None:
         cu = torch.tensor([0, 1], dtype=torch.int32, device=device)
         kv = torch.zeros(1, nkv, hd, device=device, dtype=q.dtype)
         prefill_attention_triton(q, kv, kv, cu, ctx, tables, k_cache, v_cache, 1.0, prefix)
-        for splits in (1, 2):
-            decode_attention_triton(q, k_cache, v_cache, tables, ctx, 1.0, num_splits=splits)
+    for splits in (1 << i for i in range(MAX_DECODE_SPLITS.bit_length())):
+        decode_attention_triton(q, k_cache, v_cache, tables, ctx, 1.0, num_splits=splits)
 
 
 def prefill_attention(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale,
