@@ -21,6 +21,9 @@ whose `write_kv_ref` is the reference), and the decode kernel its own rows'.
   sequence, query head), causal aligned bottom-right: the cached prefix is read from the paged
   cache through the block table, this step's keys straight from k and v. Only the prefix's last
   tile and the diagonal tiles are masked; every other key tile runs without masks.
+- `compile_step_kernels`: these kernels run outside the step graphs, on each step's own shapes, and
+  take whatever changes between steps as runtime arguments; this compiles the few binaries left
+  (per model) when the engine starts, so none compiles while a request waits.
 Block tables are int32 [num_seqs, max_blocks]; context lengths int32; block_size a power of two.
 """
 from __future__ import annotations
