@@ -24,6 +24,7 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 import time
 
@@ -126,26 +127,29 @@ def random_prompt(rng, n, vocab):
 
 
 def bench_prefill(engine, rng, vocab, num, length, passes=3):
-    """Prefill tokens/sec and host seconds per step: the pass of median time among `passes` (one
-    pass alone moved by up to 30% between calls on the same code)."""
+    """Prefill tokens/sec, from the pass of median time among `passes` (one pass alone moved by up
+    to 30% between calls on the same code), and host seconds per step: the median over every step
+    of the timed passes that queued work (a pass has only a few steps, whose mean moved by several
+    milliseconds between calls)."""
     def reqs(tag):
         return [(f"{tag}{i}", random_prompt(rng, length, vocab), SamplingParams(max_tokens=1, detokenize=False))
                 for i in range(num)]
     # Warm-up pass: kernel compilation, autotuning and sparse-algorithm searches happen on first use.
     run_to_completion(engine, reqs("w"))
-    runs = []
+    times, step_hosts = [], []
     for p in range(passes):
         batch = reqs(f"p{p}_")
         sync(engine.device)
-        host, steps = engine.stats["host_s"], engine.stats["steps"]
         t = time.perf_counter()
-        run_to_completion(engine, batch)
+        for rid, ids, params in batch:
+            engine.add_request(rid, ids, params, lambda c: None)
+        while engine.has_work():
+            host = engine.stats["host_s"]
+            if engine.step():   # host time of a step that queued work (the last call only finishes)
+                step_hosts.append(engine.stats["host_s"] - host)
         sync(engine.device)
-        elapsed = time.perf_counter() - t
-        # Host time per step: launching a prefill step's kernels can outlast their GPU time.
-        runs.append((elapsed, (engine.stats["host_s"] - host) / max(1, engine.stats["steps"] - steps)))
-    elapsed, host = sorted(runs)[len(runs) // 2]
-    return num * length / elapsed, host
+        times.append(time.perf_counter() - t)
+    return num * length / statistics.median(times), statistics.median(step_hosts)
 
 
 def bench_decode(engine, rng, vocab, batch, prompt_len, steps):

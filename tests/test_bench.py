@@ -80,6 +80,47 @@ def test_throughput_requests_are_the_same_draws_for_engine_and_hf():
     assert all(100 <= len(p) <= 1024 and 100 <= n <= 1024 for p, n in a)
 
 
+def test_prefill_host_time_is_the_median_step_of_the_timed_passes():
+    """bench_prefill's host figure: the median over the timed passes' steps that queued work; the
+    warm-up pass and the last call of each pass (which only hands out tokens) do not count."""
+    import random
+
+    import torch
+
+    import bench
+
+    class Engine:
+        device = torch.device("cpu")
+
+        def __init__(self):
+            self.stats = {"host_s": 0.0}
+            self.pending, self.step_hosts = 0, iter([9.0, 9.0, 0.5,      # warm-up: 2 steps, finishing
+                                                     0.010, 0.030, 0.5,  # timed passes
+                                                     0.012, 0.020, 0.5,
+                                                     0.011, 0.040, 0.5])
+
+        def add_request(self, rid, ids, params, sink):
+            self.pending += 1
+
+        def has_work(self):
+            return self.pending > 0 or self.finishing
+
+        def step(self):
+            self.stats["host_s"] += next(self.step_hosts)
+            if self.pending:            # two requests a step
+                self.pending -= 2
+                self.finishing = True
+                return 2
+            self.finishing = False
+            return 0
+
+    engine = Engine()
+    engine.finishing = False
+    _, host = bench.bench_prefill(engine, random.Random(0), 1000, num=4, length=3)
+    assert host == pytest.approx(0.016)     # the median of 0.010, 0.030, 0.012, 0.020, 0.011, 0.040
+    assert next(engine.step_hosts, None) is None
+
+
 def test_compiled_peer_runs_on_the_cpu(capsys):
     """benchmarks/compiled_peer.py (the torch.compile reference peer) end to end on tiny shapes,
     eager: the GPU run compiles the same model."""
