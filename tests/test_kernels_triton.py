@@ -518,8 +518,9 @@ def test_decode_attention_of_a_mixed_steps_rows(poisoned):
         assert_close(out, ref, torch.float32, f"decode rows from row {first}")
 
 
-def test_compile_step_kernels_reads_only_the_scratch_block_and_writes_no_cache():
-    """The engine's start-up compile of the attention kernels runs them on its scratch block alone."""
+def test_compile_step_kernels_writes_no_cache():
+    """The engine's start-up compile of the attention kernels reads only its scratch block and
+    stores nothing in the cache."""
     k_cache, v_cache = paged_cache(5, 16, 2, 64, torch.float32)
     k0, v0 = k_cache.clone(), v_cache.clone()
     attention.compile_step_kernels(k_cache, v_cache, 4, block=4)

@@ -463,7 +463,8 @@ def prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables, 
         scale * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), n_seqs, nh,
         GROUP=nh // nkv, HEAD_DIM=hd, PAGE=k_cache.shape[1], BLOCK_M=PREFILL_BLOCK_M,
-        BLOCK_N=block_n, SEQ_CHUNK=SEQ_CHUNK, EXACT_FP32=_exact_fp32_dot(q.dtype), num_warps=8 if hd > 64 else 4, num_stages=stages)
+        BLOCK_N=block_n, SEQ_CHUNK=SEQ_CHUNK, EXACT_FP32=_exact_fp32_dot(q.dtype),
+        num_warps=8 if hd > 64 else 4, num_stages=stages)
     return out
 
 
@@ -481,23 +482,29 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, new
 
 
 def compile_step_kernels(k_cache, v_cache, num_heads: int, block: int) -> None:
-    """Compile, before serving, the attention kernels a step launches outside its CUDA graphs: the
-    decode kernel for a mixed step's decode rows (K/V already stored: no RoPE), the merge for every
-    split count, and the prefill kernel in both of its tilings (a short and a LONG_PREFIX cached prefix). The
-    decode graphs' capture compiles the decode kernel with RoPE. Every key read is in `block` of the
-    cache (the engine's scratch block); the outputs are dropped. Triton only: a no-op elsewhere."""
+    """Compile, before serving, the attention binaries a step launches outside its CUDA graphs: the
+    decode kernel for a mixed step's decode rows (their K/V stored by the graph pieces: no RoPE),
+    the merge for each split count, and the prefill kernel in both of its tilings (a short and a
+    LONG_PREFIX cached prefix). The decode graphs' capture compiles the decode kernel with RoPE
+    (with graphs off, the first decode step does). Every key read is in `block` of the cache (the
+    engine's scratch block); the outputs are dropped. A no-op where the Triton kernels do not run."""
     _, page, nkv, hd = k_cache.shape
-    q = torch.zeros(1, num_heads, hd, device=k_cache.device, dtype=k_cache.dtype)
+    device, dtype = k_cache.device, k_cache.dtype
+    q = torch.zeros(1, num_heads, hd, device=device, dtype=dtype)
     if not triton_runs(q):
         return
-    device = q.device
+    kv = torch.zeros(1, nkv, hd, device=device, dtype=dtype)
+
+    def one_sequence(context: int):
+        """Block table and context length of one sequence of `context` tokens, all in `block`."""
+        tables = torch.full((1, -(-context // page)), block, dtype=torch.int32, device=device)
+        return tables, torch.tensor([context], dtype=torch.int32, device=device)
+
+    cu = torch.tensor([0, 1], dtype=torch.int32, device=device)
     for prefix in (1, LONG_PREFIX):
-        width = -(-(prefix + 1) // page)
-        tables = torch.full((1, width), block, dtype=torch.int32, device=device)
-        ctx = torch.tensor([prefix + 1], dtype=torch.int32, device=device)
-        cu = torch.tensor([0, 1], dtype=torch.int32, device=device)
-        kv = torch.zeros(1, nkv, hd, device=device, dtype=q.dtype)
+        tables, ctx = one_sequence(prefix + 1)
         prefill_attention_triton(q, kv, kv, cu, ctx, tables, k_cache, v_cache, 1.0, prefix)
+    tables, ctx = one_sequence(2)
     for splits in (1 << i for i in range(MAX_DECODE_SPLITS.bit_length())):
         decode_attention_triton(q, k_cache, v_cache, tables, ctx, 1.0, num_splits=splits)
 
