@@ -1,18 +1,12 @@
 """FP8 GEMMs: quantisation math, the reference, dispatch, the Triton small-M kernel (interpreter),
 CuTe DSL compiles for sm_90a / sm_100a (PTX inspected) and, on a GPU, the kernels against float64."""
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 
 from engine.formats import fp8
 from engine.kernels import fp8_triton
-from tests.cute_ptx import compile_in_subprocess
+from tests.cute_ptx import compile_in_subprocess, run_python
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BF16_ROUNDING = 2.5e-3  # bf16 output rounding alone gives ~1.7e-3 relative (8-bit significand)
 
 
@@ -120,14 +114,6 @@ def test_fp8_weight_backend():
 
 
 # ------------------------------------------------------------------------------ Triton small-M kernel (interpreter)
-def run_python(code: str, env_extra: dict, timeout: int = 240) -> str:
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **env_extra)
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
-
-
 def test_small_m_kernel_in_triton_interpreter():
     pytest.importorskip("triton")
     out = run_python("""
@@ -144,7 +130,7 @@ def test_small_m_kernel_in_triton_interpreter():
             fp8_triton.fp8_gemm_small_m(qx, xs, qw, ws, residual=res, split=split, out=y)
             ref = fp8.fp8_linear_reference(qx, xs, qw, ws, residual=res, out_dtype=torch.float64)
             print(m, n, k, split, ((y.double() - ref).norm() / ref.norm()).item())
-    """, {"TRITON_INTERPRET": "1"})
+    """, {"TRITON_INTERPRET": "1"}, timeout=240)
     errs = [float(line.split()[-1]) for line in out.strip().splitlines()]
     # The interpreter truncates fp32 -> bf16 (the GPU rounds to nearest): allow twice the rounding.
     # (The last case repeats the one before it: split-K scratch must be back at zero.)
