@@ -112,13 +112,17 @@ def measure_matmul_peak(device, dtype=torch.bfloat16) -> float:
     return 2 * n ** 3 * 10 / (time.perf_counter() - t)
 
 
-def run_to_completion(engine: Engine, requests) -> list[list[int]]:
+def run_to_completion(engine: Engine, requests, step_hosts: list | None = None) -> list[list[int]]:
+    """Each request's tokens. step_hosts: gets the host seconds of every step that queued work (the
+    last call only hands out tokens)."""
     outs: dict[str, list[int]] = {}
     for rid, ids, params in requests:
         outs[rid] = []
         engine.add_request(rid, ids, params, lambda c, o=outs[rid]: o.extend(c.token_ids))
     while engine.has_work():
-        engine.step()
+        host = engine.stats["host_s"]
+        if engine.step() and step_hosts is not None:
+            step_hosts.append(engine.stats["host_s"] - host)
     return [outs[rid] for rid, _, _ in requests]
 
 
@@ -141,12 +145,7 @@ def bench_prefill(engine, rng, vocab, num, length, passes=3):
         batch = reqs(f"p{p}_")
         sync(engine.device)
         t = time.perf_counter()
-        for rid, ids, params in batch:
-            engine.add_request(rid, ids, params, lambda c: None)
-        while engine.has_work():
-            host = engine.stats["host_s"]
-            if engine.step():   # host time of a step that queued work (the last call only finishes)
-                step_hosts.append(engine.stats["host_s"] - host)
+        run_to_completion(engine, batch, step_hosts)
         sync(engine.device)
         times.append(time.perf_counter() - t)
     return num * length / statistics.median(times), statistics.median(step_hosts)
