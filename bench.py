@@ -45,6 +45,8 @@ CONFIGS = {
     "nvfp4":        ({"weights": "nvfp4"}, False),
     "2:4":          ({"sparse_ffn": "magnitude"}, False),
     "2:4+fp8":      ({"sparse_ffn": "magnitude", "weights": "fp8"}, False),
+    "kv-fp8":       ({"kv_cache_dtype": "fp8"}, False),
+    "fp8+kv-fp8":   ({"weights": "fp8", "kv_cache_dtype": "fp8"}, False),
     "overlap-off":  ({"overlap": False}, True),
 }
 GEMM_SWITCHES = ("weights", "sparse_ffn")     # configs that change the GEMMs get roofline points
@@ -53,6 +55,11 @@ QUALITY = {"dense": {}, "fp8": {"weights": "fp8"}, "nvfp4": {"weights": "nvfp4"}
            "2:4 magnitude": {"sparse_ffn": "magnitude"}, "2:4 wanda": {"sparse_ffn": "wanda"},
            "2:4+fp8": {"sparse_ffn": "magnitude", "weights": "fp8"}}
 QUALITY_HEADS = "fp8,nvfp4"     # LM-head formats measured beside each QUALITY row's bf16 head
+# KV-cache formats: their logits computed through the paged cache, QUALITY_CACHE_CHUNK tokens a step
+# (LLM.logits), where the other rows' come from one pass that keeps no cache; the first row is the
+# control (the cache in the model dtype: the same logits as one pass, up to rounding).
+QUALITY_KV = {"dense, KV cache in the model dtype": {}, "dense, fp8 KV cache": {"kv_cache_dtype": "fp8"}}
+QUALITY_CACHE_CHUNK = 16
 # Relative logit error a lossless switch may cause by rounding alone, per decoder layer: two roundings
 # of the same math drift apart layer by layer (measured: the dense llama-3.2-1b preset in bf16 against
 # fp32 on the CPU, 0.026 over 16 layers, 1.6e-3 a layer).
@@ -434,15 +441,17 @@ def quality(args, device):
     """Perplexity of the embedded SmolLM2 under each weight format, with a bf16 LM head and with the
     head in each of --quality-heads; how often its next-token prediction agrees with the dense model's
     (bf16 head, in the model dtype) at every position of the text; and, for a quantised head, with
-    the bf16 head over the same weights (the figure engine/config.py's default_lm_head reads)."""
+    the bf16 head over the same weights (the figure engine/config.py's default_lm_head reads). The
+    KV-cache rows (QUALITY_KV) read their prefixes through the paged cache."""
     from engine.llm import LLM
     from engine.quality import evaluate, top1_agreement
     rows, reference = {}, None
     # Checkpoints of the embedded model (benchmarks/make_checkpoint.py) load as stored, each its own row;
     # the load-time formats are measured with each LM head too.
-    entries = [(name, "llama", overrides, ("bf16", *args.quality_heads)) for name, overrides in QUALITY.items()] + [
-        (os.path.basename(os.path.normpath(path)), path, {}, ("bf16",)) for path in args.checkpoint or []]
-    for name, model, overrides, heads in entries:
+    entries = [(name, "llama", overrides, ("bf16", *args.quality_heads), None) for name, overrides in QUALITY.items()]
+    entries += [(name, "llama", overrides, ("bf16",), QUALITY_CACHE_CHUNK) for name, overrides in QUALITY_KV.items()]
+    entries += [(os.path.basename(os.path.normpath(path)), path, {}, ("bf16",), None) for path in args.checkpoint or []]
+    for name, model, overrides, heads, cache_chunk in entries:
         bf16_head = None
         for head in heads:
             label = name if head == "bf16" else f"{name}, {head} head"
@@ -452,7 +461,7 @@ def quality(args, device):
                 rows[label] = f"n/a ({e})"
                 continue
             try:
-                ppl, predictions, agreement = evaluate(llm, args.ppl_window, args.ppl_windows, reference)
+                ppl, predictions, agreement = evaluate(llm, args.ppl_window, args.ppl_windows, reference, cache_chunk)
             finally:
                 llm.shutdown(timeout=1)
             if reference is None:

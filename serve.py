@@ -931,6 +931,8 @@ ENGINE_HELP = {
                  "$MICROENGINE_TOKENIZER)",
     "kv_cache_tokens": "KV-cache size in tokens (default: --kv-cache-memory-fraction of free GPU memory)",
     "kv_cache_memory_fraction": "fraction of free GPU memory for the KV cache",
+    "kv_cache_dtype": "auto: K/V in the model dtype; fp8: e4m3 with a scale per token and KV head "
+                      "(half the bytes: twice the tokens, and decode reads half as much)",
     "block_size": "tokens per KV-cache block (a power of two)",
     "max_model_len": "context length, prompt plus output (default: the model's, at most 8192)",
     "max_num_seqs": "most sequences in one engine step",
@@ -950,7 +952,7 @@ ENGINE_HELP = {
 
 def engine_arguments(parser: argparse.ArgumentParser):
     """One option per EngineConfig field, so the CLI can never fall behind the engine."""
-    from engine.config import LM_HEAD_FORMATS, SPARSE_METHODS, WEIGHT_FORMATS, EngineConfig
+    from engine.config import KV_CACHE_DTYPES, LM_HEAD_FORMATS, SPARSE_METHODS, WEIGHT_FORMATS, EngineConfig
     group = parser.add_argument_group("engine (EngineConfig)")
     for f in dataclasses.fields(EngineConfig):
         if f.name == "extra":
@@ -966,6 +968,8 @@ def engine_arguments(parser: argparse.ArgumentParser):
             group.add_argument(flag, choices=WEIGHT_FORMATS, **kw)
         elif f.name == "lm_head":
             group.add_argument(flag, choices=LM_HEAD_FORMATS, **kw)
+        elif f.name == "kv_cache_dtype":
+            group.add_argument(flag, choices=KV_CACHE_DTYPES, **kw)
         elif f.name == "sparse_ffn":
             group.add_argument(flag, nargs="?", const=SPARSE_METHODS[0], choices=SPARSE_METHODS, **kw)
         elif "bool" in annotation:

@@ -3,12 +3,14 @@
 For 1, 64 and 8192 tokens: fused residual-add + RMSNorm (bf16 out and FP8 out), L2 norm, SwiGLU
 (bf16 out and FP8 out) and RoPE; each kernel's median time, the bytes it must move (every input
 read once, every output written once), achieved GB/s and its fraction of the device-to-device copy
-bandwidth measured in the same run. Decode attention over the paged cache at batch 1 and 64,
-context 1024 and 4096, against gather + SDPA. Then the bytes that recompute-instead-of-store saves
-per layer per token (counted, not timed), and a small sweep of launch configurations.
+bandwidth measured in the same run. Decode attention over the paged cache at batch 1, 64 and 256,
+against gather + SDPA, and over the same cache in FP8 (kv_cache_dtype="fp8"). Then the bytes that
+recompute-instead-of-store saves per layer per token (counted, not timed), and a small sweep of
+launch configurations.
 
     python benchmarks/bench_fused.py            # correctness checks, then the tables
     python benchmarks/bench_fused.py --check    # correctness checks only
+    python benchmarks/bench_fused.py --decode   # decode attention only (its checks and table)
 
 Times are medians of benchmarks/timing.py `cold_ms`: L2 is evicted by reading 256 MB before every
 timed call, so inputs come from HBM, not L2 (a flush that writes, as triton.testing.do_bench's
@@ -40,7 +42,7 @@ EPS = 1e-5
 BF16 = torch.bfloat16
 DEVICE = "cuda"
 TOKENS = (1, 64, 8192)
-DECODE_CASES = [(1, 1024), (1, 4096), (64, 1024), (64, 4096)]    # (batch, context)
+DECODE_CASES = [(1, 1024), (1, 4096), (64, 1024), (64, 4096), (256, 640)]    # (batch, context)
 BLOCK_SIZE = 16
 BF16_BOUND = 1e-2       # bf16 outputs (and bf16 P in P @ V) vs an fp32-math reference
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -125,8 +127,17 @@ def gather_sdpa(q, k_cache, v_cache, tables, ctx, scale):
     return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=True).squeeze(2)
 
 
-def decode_bytes(batch, ctx):
-    return (2 * batch * ctx * N_KV * HEAD_DIM * 2 + 2 * batch * N_HEADS * HEAD_DIM * 2
+def fp8_cache(k_cache, v_cache):
+    """The same cache in FP8: (k, v, (k_scale, v_scale)), engine/kernels/rope.py's layout."""
+    (kq, ks), (vq, vs) = rope.quantize_kv_ref(k_cache), rope.quantize_kv_ref(v_cache)
+    return kq, vq, (ks, vs)
+
+
+def decode_bytes(batch, ctx, fp8=False):
+    """K and V rows read (an FP8 row: a byte a value and its fp32 scale), q read, out written, the
+    block table and context length read."""
+    row = HEAD_DIM + 4 if fp8 else HEAD_DIM * 2
+    return (2 * batch * ctx * N_KV * row + 2 * batch * N_HEADS * HEAD_DIM * 2
             + batch * (ctx // BLOCK_SIZE) * 4 + batch * 4)
 
 
@@ -194,16 +205,25 @@ def check_decode_case(batch, ctx):
     return [(f"decode attn b{batch} ctx{ctx}", lambda: (rel_err(
                 attention.decode_attention_triton(q, kc, vc, tables, lens, HEAD_DIM ** -0.5), ref), BF16_BOUND)),
             (f"gather+sdpa b{batch} ctx{ctx}", lambda: (rel_err(
-                gather_sdpa(q, kc, vc, tables, lens, HEAD_DIM ** -0.5), ref), BF16_BOUND))]
+                gather_sdpa(q, kc, vc, tables, lens, HEAD_DIM ** -0.5), ref), BF16_BOUND)),
+            (f"decode attn, FP8 cache, b{batch} ctx{ctx} (vs its fp32 reference)", lambda: fp8_decode_error(
+                q, kc, vc, tables, lens))]
 
 
-def check():
+def fp8_decode_error(q, kc, vc, tables, lens):
+    kq, vq, scales = fp8_cache(kc, vc)
+    ref = attention.decode_attention_ref(q, kq, vq, tables, lens, HEAD_DIM ** -0.5, kv_scales=scales)
+    out = attention.decode_attention_triton(q, kq, vq, tables, lens, HEAD_DIM ** -0.5, kv_scales=scales)
+    return rel_err(out, ref), BF16_BOUND
+
+
+def check(decode_only=False):
     """Fused vs reference at the benchmark's shapes; prints a table, returns the number of failures."""
     failures = 0
     print("\n## correctness (relative error ||out-ref|| / ||ref||)\n")
     print("| kernel | M | rel err | bound | |")
     print("| --- | ---: | ---: | ---: | --- |")
-    groups = [(m, lambda m=m: check_cases(m)) for m in TOKENS]
+    groups = [] if decode_only else [(m, lambda m=m: check_cases(m)) for m in TOKENS]
     groups += [(b, lambda b=b, c=c: check_decode_case(b, c)) for b, c in DECODE_CASES]
     for m, make in groups:
         for name, run in make():
@@ -254,20 +274,23 @@ def bench_kernels(copy_gbs):
 def bench_decode(copy_gbs):
     print("\n## decode attention over the paged cache (32/8 heads x 128, bf16, block 16; medians after an L2 eviction by reading)\n")
     print("| batch | context | bytes | splits | fused us | GB/s | % copy BW | TFLOP/s "
-          "| gather+SDPA us | x gather+SDPA |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| gather+SDPA us | x gather+SDPA | FP8 cache: bytes | us | GB/s | % copy BW | x bf16 cache |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     scale = HEAD_DIM ** -0.5
     for batch, ctx in DECODE_CASES:
         q, kc, vc, tables, lens = decode_inputs(batch, ctx)
         t_fused = bench_ms(lambda: attention.decode_attention_triton(q, kc, vc, tables, lens, scale))
         t_base = bench_ms(lambda: gather_sdpa(q, kc, vc, tables, lens, scale))
-        nbytes = decode_bytes(batch, ctx)
+        kq, vq, scales = fp8_cache(kc, vc)
+        t_fp8 = bench_ms(lambda: attention.decode_attention_triton(q, kq, vq, tables, lens, scale, kv_scales=scales))
+        nbytes, fp8_bytes = decode_bytes(batch, ctx), decode_bytes(batch, ctx, fp8=True)
         flops = 4 * batch * N_HEADS * ctx * HEAD_DIM
-        gbs = nbytes / t_fused / 1e6
+        gbs, fp8_gbs = nbytes / t_fused / 1e6, fp8_bytes / t_fp8 / 1e6
         splits = attention.decode_splits(batch, N_KV, q.device)
         print(f"| {batch} | {ctx} | {nbytes / 1e6:.1f} MB | {splits} | {t_fused * 1e3:.1f} | {gbs:.0f} "
               f"| {100 * gbs / copy_gbs:.0f}% | {flops / t_fused / 1e9:.2f} | {t_base * 1e3:.1f} "
-              f"| {t_base / t_fused:.2f} |", flush=True)
+              f"| {t_base / t_fused:.2f} | {fp8_bytes / 1e6:.1f} MB | {t_fp8 * 1e3:.1f} | {fp8_gbs:.0f} "
+              f"| {100 * fp8_gbs / copy_gbs:.0f}% | {t_fused / t_fp8:.2f} |", flush=True)
 
 
 def print_recompute_savings():
@@ -353,6 +376,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="run the correctness checks only")
     parser.add_argument("--no-sweep", action="store_true", help="skip the launch-configuration sweep")
+    parser.add_argument("--decode", action="store_true", help="decode attention only: its checks and table")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_fused.py needs a CUDA GPU")
@@ -361,19 +385,20 @@ def main():
     torch._dynamo.config.recompile_limit = 64   # one compiled graph per (variant, shape)
     print(f"# bench_fused: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
-    failures = check()
+    failures = check(decode_only=args.decode)
     if not args.check:
         copy_gbs = copy_bandwidth_gbs()
         print(f"\nHBM copy bandwidth (1 GiB device-to-device, read + write): {copy_gbs:.0f} GB/s")
-        stages = [bench_kernels, bench_decode] + ([] if args.no_sweep else [sweep])
+        stages = [bench_decode] if args.decode else [bench_kernels, bench_decode] + ([] if args.no_sweep else [sweep])
         for stage in stages:
             try:
                 stage(copy_gbs)
             except Exception:   # report, keep going with the next table
                 traceback.print_exc()
                 failures += 1
-        print_recompute_savings()
-        measure_recompute_savings(copy_gbs)
+        if not args.decode:
+            print_recompute_savings()
+            measure_recompute_savings(copy_gbs)
     if failures:
         sys.exit(f"{failures} correctness check(s) failed")
 

@@ -10,6 +10,7 @@ import torch
 WEIGHT_FORMATS = ("bf16", "fp8", "nvfp4")
 LM_HEAD_FORMATS = WEIGHT_FORMATS       # the LM head is a Linear too
 SPARSE_METHODS = ("magnitude", "wanda")
+KV_CACHE_DTYPES = ("auto", "fp8")
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
            "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
 
@@ -56,6 +57,9 @@ class EngineConfig:
     # KV cache: a token count, or else a fraction of the free device memory (cuda) / a fixed default (cpu)
     kv_cache_tokens: int | None = None
     kv_cache_memory_fraction: float = 0.85
+    # "auto": K/V in the model dtype; "fp8": e4m3 with an fp32 scale per token and KV head, half the
+    # bytes each decode step reads and twice the tokens in the same memory (engine/kernels/rope.py)
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     max_model_len: int | None = None      # None: the model's context length, capped at 8192
     max_num_seqs: int = 256
@@ -84,6 +88,8 @@ class EngineConfig:
             raise ValueError(f"weights: {self.weights!r} is not one of {', '.join(WEIGHT_FORMATS)}")
         if self.lm_head is not None and self.lm_head not in LM_HEAD_FORMATS:
             raise ValueError(f"lm_head: {self.lm_head!r} is not one of {', '.join(LM_HEAD_FORMATS)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
         if self.tune not in ("on", "off"):
             raise ValueError(f"tune: {self.tune!r} is not 'on' or 'off'")
         if self.sparse_ffn is not None and self.sparse_ffn not in SPARSE_METHODS:

@@ -221,15 +221,15 @@ class Engine:
         num_blocks = self._num_kv_blocks()
         if self.tp is not None:     # rank 0 schedules for all: every rank must hold its blocks
             num_blocks = self.tp.agree_min(num_blocks)
-        self.kv_cache = KVCache(cfg.num_layers, num_blocks, config.block_size,
-                                self.model.num_local_kv_heads, cfg.head_dim, self.dtype, self.device)
+        self.kv_cache = KVCache(cfg.num_layers, num_blocks, config.block_size, self.model.num_local_kv_heads,
+                                cfg.head_dim, self.dtype, self.device, fp8=config.kv_cache_dtype == "fp8")
         self.scheduler = Scheduler(self.kv_cache.pool, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.enable_prefix_caching)
         self.sampler = Sampler(self.device, config.seed)
         self._tune()
         self.graphs = self.step_graphs = None
         if self.device.type == "cuda":   # compiled now, not in the middle of a serving step
-            compile_step_kernels(*self.kv_cache.layer(0), self.model.layers[0].self_attn.num_heads,
+            compile_step_kernels(*self.kv_cache.layer(0), self.model.layers[0].self_attn.num_heads, self.dtype,
                                  self.kv_cache.scratch_block)
         # Streamed layers swap their weights in forward hooks, which a captured graph would skip.
         if self.device.type == "cuda" and config.cuda_graphs and self.streamer is None:
@@ -306,7 +306,8 @@ class Engine:
 
     def _kv_bytes_per_token(self) -> int:
         cfg = self.model_config
-        return KVCache.bytes_per_token(cfg.num_layers, self.model.num_local_kv_heads, cfg.head_dim, self.dtype)
+        return KVCache.bytes_per_token(cfg.num_layers, self.model.num_local_kv_heads, cfg.head_dim, self.dtype,
+                                       fp8=self.config.kv_cache_dtype == "fp8")
 
     def _activation_reserve(self) -> int:
         """Room for the largest step's activations (the gate/up output dominates, kept twice over for
@@ -665,6 +666,41 @@ class Engine:
     def sequence_logits(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits at every position of one sequence (no KV kept): [len, vocab]."""
         return self.sequence_pass([list(token_ids)], True)[0]
+
+    def cached_logits(self, token_ids: list[int], cache_chunk: int) -> torch.Tensor:
+        """fp32 logits at every position of one sequence, computed as serving computes them: through
+        the paged KV cache, `cache_chunk` tokens a step, each step attending to the prefix as the cache holds
+        it (what kv_cache_dtype changes; a chunk of 1 is a decode step). Its blocks come from the pool
+        and go back to it; the steps run on the compute stream after whatever is queued there."""
+        if not token_ids or len(token_ids) > self.max_model_len:
+            raise ValueError(f"token_ids: need 1..{self.max_model_len} tokens (got {len(token_ids)})")
+        most = self.config.max_num_batched_tokens
+        if not isinstance(cache_chunk, int) or isinstance(cache_chunk, bool) or not 1 <= cache_chunk <= most:
+            raise ValueError(f"cache_chunk: must be an int in 1..{most} (got {cache_chunk!r})")
+        if self.tp is not None:
+            raise ValueError("cached_logits: not with tensor parallelism (the other ranks would need the steps)")
+        bs, pool = self.config.block_size, self.kv_cache.pool
+        need = -(-len(token_ids) // bs)
+        if need > pool.num_free:
+            raise ValueError(f"token_ids: {len(token_ids)} tokens need {need} free KV blocks, {pool.num_free} are free")
+        seq = Sequence("cached_logits", list(token_ids), SamplingParams(max_tokens=1), 1)
+        seq.block_table = [pool.allocate() for _ in range(need)]
+        out = []
+        try:
+            with self.streams.on(self.streams.compute):
+                for start in range(0, len(token_ids), cache_chunk):
+                    plan = plan_batch([ScheduledSeq(seq, start, min(cache_chunk, len(token_ids) - start))], bs)
+                    dev = {name: torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
+                           for name, (data, dtype) in plan.fields.items()}
+                    batch = plan.batch(dev, self.kv_cache)
+                    out.append(self.model.compute_logits(self.model(batch.input_ids, batch.positions, batch)))
+                logits = torch.cat(out)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).wait_stream(self.streams.compute)
+        finally:
+            for block in seq.block_table:
+                pool.release(block)
+        return logits
 
     def sequence_pass(self, token_lists: list[list[int]], logits: bool, check: bool = True) -> list[torch.Tensor]:
         """One forward over whole sequences: per sequence its hidden states, or its logits."""

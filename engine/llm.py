@@ -384,12 +384,18 @@ class LLM:
         fused = self.engine.config.fused_kernels is not False   # this engine's switch, not the process's
         return torch.stack([l2_norm(h.float().mean(0), fused=fused) for h in hidden]).cpu()
 
-    def logits(self, token_ids: list[int]) -> torch.Tensor:
-        """Logits at every position of one sequence: [len, vocab] fp32 (for scoring, perplexity)."""
+    def logits(self, token_ids: list[int], cache_chunk: int | None = None) -> torch.Tensor:
+        """Logits at every position of one sequence: [len, vocab] fp32 (for scoring, perplexity).
+        cache_chunk: computed as serving computes them, through the paged KV cache this many tokens a
+        step, each step reading the prefix as the cache stores it (an FP8 KV cache's effect); None:
+        one pass that keeps no cache."""
         if not isinstance(token_ids, (list, tuple)) or not all(_is_token_id(t) for t in token_ids):
             raise TypeError(f"token_ids: must be a list of token ids (got {_describe(token_ids)})")
-
-        return self._call(lambda: self.engine.sequence_logits(token_ids)).cpu()
+        if cache_chunk is not None and (not isinstance(cache_chunk, int) or isinstance(cache_chunk, bool)):
+            raise TypeError(f"cache_chunk: must be an int or None (got {_describe(cache_chunk)})")
+        if cache_chunk is None:
+            return self._call(lambda: self.engine.sequence_logits(token_ids)).cpu()
+        return self._call(lambda: self.engine.cached_logits(list(token_ids), cache_chunk)).cpu()
 
     def metrics(self) -> dict:
         return self._call(self.engine.metrics)

@@ -38,14 +38,15 @@ def eval_token_windows(tokenizer, window: int = 512, count: int = 8, modules=EVA
     return [ids[i * window:(i + 1) * window] for i in range(min(count, len(ids) // window))]
 
 
-def evaluate(llm, window: int = 512, count: int = 8, reference: list | None = None):
+def evaluate(llm, window: int = 512, count: int = 8, reference: list | None = None, cache_chunk: int | None = None):
     """Perplexity (exp of the mean next-token NLL) over `count` windows of the evaluation text, the
     model's argmax predictions at every position, and, given a reference model's predictions, the
-    fraction of positions where the two agree (teacher-forced top-1 agreement)."""
+    fraction of positions where the two agree (teacher-forced top-1 agreement). cache_chunk: the
+    logits computed through the paged KV cache, this many tokens a step (LLM.logits)."""
     import torch
     nll, n, predictions = 0.0, 0, []
     for ids in eval_token_windows(llm.tokenizer, window, count):
-        logits = llm.logits(ids)
+        logits = llm.logits(ids, cache_chunk)
         lp = torch.log_softmax(logits[:-1].double(), -1)
         nll -= lp.gather(1, torch.tensor(ids[1:])[:, None]).sum().item()
         n += len(ids) - 1

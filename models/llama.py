@@ -125,8 +125,9 @@ class LlamaAttention(nn.Module):
                 v.view(t, self.num_kv_heads, self.head_dim))
 
     def kv_cache(self, batch):
-        """This layer's (k_cache, v_cache), or (None, None) where the step keeps no cache."""
-        return batch.kv_cache.layer(self.layer_idx) if batch.kv_cache is not None else (None, None)
+        """This layer's (k_cache, v_cache, kv_scales), or Nones where the step keeps no cache; kv_scales
+        is None but for an FP8 cache."""
+        return batch.kv_cache.layer(self.layer_idx) if batch.kv_cache is not None else (None, None, None)
 
     def project(self, h, positions, batch, inv_freq, out=None):
         """The attention's inputs from the normed rows h [T, hidden]: (q, k, v, new_kv), q [T, heads,
@@ -136,17 +137,17 @@ class LlamaAttention(nn.Module):
         None. out [T, q + 2 kv columns]: the rotated q, k and v go there (the step graphs' static
         buffer), every row rotated here."""
         q, k, v = self.split_qkv(self.qkv_proj(h))
-        k_cache, v_cache = self.kv_cache(batch)
+        k_cache, v_cache, kv_scales = self.kv_cache(batch)
         if out is None and batch.num_decodes and k_cache is not None and self.fused and triton_runs(q):
             # The decode rows are rotated, and their K/V stored, by the decode attention kernel
             # itself (one launch less per layer); prefill rows by RoPE's kernel, in place.
             p = batch.num_prefill_tokens
             if p:
                 apply_rope_triton(q[:p], k[:p], positions[:p], inv_freq,
-                                  (v[:p], k_cache, v_cache, batch.slot_mapping[:p]))
+                                  (v[:p], k_cache, v_cache, batch.slot_mapping[:p], kv_scales))
             return q, k, v, (k[p:], v[p:], inv_freq)
         # RoPE also stores this step's K/V in the paged cache (one kernel)
-        kv_write = (v, k_cache, v_cache, batch.slot_mapping) if k_cache is not None else None
+        kv_write = (v, k_cache, v_cache, batch.slot_mapping, kv_scales) if k_cache is not None else None
         q, k = apply_rope(q, k, positions, inv_freq, kv_write, self.fused, out)
         return (q, k, v, None) if out is None else (*self.split_qkv(out), None)
 
@@ -164,28 +165,28 @@ class LlamaAttention(nn.Module):
         return self.output(self.attend(q, k, v, batch, new_kv))
 
 
-def attend(q, k, v, batch, k_cache, v_cache, scale, new_kv=None, out=None):
+def attend(q, k, v, batch, k_cache, v_cache, kv_scales, scale, new_kv=None, out=None):
     """Attention over this step's K/V, already in the paged cache (k_cache None: no cache, prefill
-    only): prefill rows first, decode rows after. new_kv = (k, v, inv_freq) of the decode rows: their
-    q and k are not rotated yet nor their K/V cached; the decode kernel does both first. out: where
-    the result goes (contiguous, q's shape)."""
+    only; kv_scales: an FP8 cache's): prefill rows first, decode rows after. new_kv = (k, v,
+    inv_freq) of the decode rows: their q and k are not rotated yet nor their K/V cached; the decode
+    kernel does both first. out: where the result goes (contiguous, q's shape)."""
     p = batch.num_prefill_tokens
     if batch.num_decodes == 0:
-        return _prefill(q, k, v, batch, k_cache, v_cache, scale, out)
+        return _prefill(q, k, v, batch, k_cache, v_cache, kv_scales, scale, out)
 
     def decode(qd, out):
         return attn_ops.decode_attention(qd, k_cache, v_cache, batch.decode_block_tables,
-                                         batch.decode_context_lens, scale, new_kv, out)
+                                         batch.decode_context_lens, scale, new_kv, out, kv_scales)
     if p == 0:   # decode only: no copy into a shared output (one kernel less per layer)
         return decode(q, out)
     if out is None:
         out = torch.empty_like(q)
-    _prefill(q[:p], k[:p], v[:p], batch, k_cache, v_cache, scale, out[:p])
+    _prefill(q[:p], k[:p], v[:p], batch, k_cache, v_cache, kv_scales, scale, out[:p])
     decode(q[p:], out[p:])
     return out
 
 
-def _prefill(q, k, v, batch, k_cache, v_cache, scale, out=None):
+def _prefill(q, k, v, batch, k_cache, v_cache, kv_scales, scale, out=None):
     if attn_ops.prefill_takes_flash(q, batch.prefill_max_prefix, batch.num_prefill_tokens, batch.num_prefills):
         # Packed variable-length prompts, no padding: one flash launch; the longest prompt's length
         # comes from the host (asked of the device, it would cost a sync).
@@ -194,7 +195,7 @@ def _prefill(q, k, v, batch, k_cache, v_cache, scale, out=None):
     return attn_ops.prefill_attention(q, k, v, batch.prefill_offsets, batch.prefill_context_lens,
                                       batch.prefill_block_tables, k_cache, v_cache, scale,
                                       max_prefix=batch.prefill_max_prefix, out=out,
-                                      block_ends=batch.prefill_block_ends)
+                                      block_ends=batch.prefill_block_ends, kv_scales=kv_scales)
 
 
 class LlamaMLP(nn.Module):

@@ -223,7 +223,7 @@ def test_rope_stores_k_and_v_in_the_cache(t, nh, nkv, hd, dtype):
     k_cache, v_cache = paged_cache(num_blocks, 16, nkv, hd, dtype)
     slots = torch.randperm(num_blocks * 16, device=DEVICE)[:t]
     k_want, v_want = k_cache.clone(), v_cache.clone()
-    rope.apply_rope_triton(q, k, positions, inv_freq, (v, k_cache, v_cache, slots))
+    rope.apply_rope_triton(q, k, positions, inv_freq, (v, k_cache, v_cache, slots, None))
     assert_close(q, q_ref, dtype, "rope q")
     assert_close(k, k_ref, dtype, "rope k")
     assert torch.equal(v, v_before)
@@ -254,17 +254,17 @@ def test_rope_into_a_buffer(t, nh, nkv, hd, dtype):
     slots = torch.randperm(num_blocks * 16, device=DEVICE)[:t]
     in_place = qkv.clone()
     q, k, v = split(in_place)
-    rope.apply_rope_triton(q, k, positions, inv_freq, (v, *caches[0], slots))
+    rope.apply_rope_triton(q, k, positions, inv_freq, (v, *caches[0], slots, None))
     buf = torch.full((t + 3, width), float("nan"), device=DEVICE, dtype=dtype)
     q, k, v = split(qkv)
     before = qkv.clone()
-    q_out, k_out = rope.apply_rope_triton(q, k, positions, inv_freq, (v, *caches[1], slots), out=buf[:t])
+    q_out, k_out = rope.apply_rope_triton(q, k, positions, inv_freq, (v, *caches[1], slots, None), out=buf[:t])
     assert torch.equal(qkv, before), "the inputs changed"
     assert torch.equal(buf[:t], in_place) and buf[t:].isnan().all()
     assert q_out.data_ptr() == buf.data_ptr() and torch.equal(k_out, split(buf[:t])[1])
     assert torch.equal(caches[1][0], caches[0][0]) and torch.equal(caches[1][1], caches[0][1])
     ref_buf = torch.full((t, width), float("nan"), device=DEVICE, dtype=dtype)
-    rope.apply_rope(q, k, positions, inv_freq, (v, *caches[2], slots), fused=False, out=ref_buf)
+    rope.apply_rope(q, k, positions, inv_freq, (v, *caches[2], slots, None), fused=False, out=ref_buf)
     assert_close(ref_buf, buf[:t], dtype, "rope reference into out")
 
 
@@ -340,7 +340,7 @@ def check_decode_rope(context_lens, nh, nkv, hd, dtype, num_splits):
     q, k, v = split(qkv.clone())
     pos = ctx.long() - 1
     slots = tables.gather(1, (pos // block_size)[:, None]).squeeze(1).long() * block_size + pos % block_size
-    rope.apply_rope_triton(q, k, pos, inv_freq, (v, *caches[2], slots))
+    rope.apply_rope_triton(q, k, pos, inv_freq, (v, *caches[2], slots, None))
     before = attention.decode_attention_triton(q, *caches[2], tables, ctx, scale, num_splits=num_splits)
     assert torch.equal(out, before), "decode with RoPE differs from RoPE's kernel then decode"
     assert torch.equal(caches[0][0], caches[2][0]) and torch.equal(caches[0][1], caches[2][1])
@@ -364,11 +364,12 @@ def test_decode_attention_rope(poisoned, nh, nkv, hd, num_splits):
     check_decode_rope([1, 17, 37, 300], nh, nkv, hd, torch.bfloat16, num_splits)
 
 
-def test_attention_layer_mixed_step_against_the_reference_path():
+@pytest.mark.parametrize("fp8", [False, True])
+def test_attention_layer_mixed_step_against_the_reference_path(fp8):
     """models.llama's attention on a step of two prefill chunks (one after a cached prefix) and
     three decodes: with the fused kernels, RoPE's launch rotates the prefill rows and the decode
     kernel its own rows; fused off, the RoPE reference and KV write run for every row. The same
-    output and the same cache, within fp32 rounding."""
+    output and the same cache, within fp32 rounding (an FP8 cache: its codes within one step)."""
     from engine.batch import Batch
     from engine.memory.kv_cache import KVCache
     from models.llama import LlamaAttention
@@ -382,9 +383,15 @@ def test_attention_layer_mixed_step_against_the_reference_path():
     chunks = [(5, 0), (20, 9)]                 # (tokens this step, cached prefix)
     decodes = [1, 16, 40]                      # context lengths, this step's token included
     ctx = [n + p for n, p in chunks] + decodes
-    cache = KVCache(1, sum(-(-c // bs) for c in ctx) + 1, bs, 2, 32, torch.float32, DEVICE)
-    cache.k.normal_()
-    cache.v.normal_()
+    cache = KVCache(1, sum(-(-c // bs) for c in ctx) + 1, bs, 2, 32, torch.float32, DEVICE, fp8=fp8)
+    for x, sc in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)):
+        values = torch.randn(x.shape, device=DEVICE)
+        if fp8:
+            xq, s = rope.quantize_kv_ref(values)
+            x.view(torch.uint8).copy_(xq.view(torch.uint8))
+            sc.copy_(s)
+        else:
+            x.copy_(values)
     tables = block_tables_for(ctx, bs, cache.scratch_block)
     pos = [torch.arange(p, p + n) for n, p in chunks] + [torch.tensor([c - 1]) for c in decodes]
     seq = torch.cat([torch.full((len(x),), i) for i, x in enumerate(pos)]).to(DEVICE)
@@ -401,16 +408,23 @@ def test_attention_layer_mixed_step_against_the_reference_path():
                   logits_indices=torch.arange(t, device=DEVICE), sampled=[])
     x = torch.randn(t, 128, device=DEVICE)
     inv_freq = rope.rope_inv_freq(32, 500000.0, LLAMA3_SCALING).to(DEVICE)
-    k0, v0 = cache.k.clone(), cache.v.clone()
+    state = [t for t in (cache.k, cache.v, cache.k_scale, cache.v_scale) if t is not None]
+    before = [t.clone() for t in state]
     fused = layer(x, pos, batch, inv_freq)
-    k_fused, v_fused = cache.k.clone(), cache.v.clone()
-    cache.k.copy_(k0)
-    cache.v.copy_(v0)
+    after_fused = [t.clone() for t in state]
+    for t, b in zip(state, before):
+        t.copy_(b)
     layer.fused = False
     reference = layer(x, pos, batch, inv_freq)
-    assert_close(fused, reference, torch.float32, "attention layer, mixed step")
-    assert_close(k_fused, cache.k, torch.float32, "k cache")
-    assert torch.equal(v_fused, cache.v)
+    if not fp8:
+        assert_close(fused, reference, torch.float32, "attention layer, mixed step")
+        assert_close(after_fused[0], cache.k, torch.float32, "k cache")
+        assert torch.equal(after_fused[1], cache.v)
+        return
+    assert_close_fp8_kv(fused, reference, torch.float32, "attention layer, mixed step, FP8 cache")
+    assert_same_codes(after_fused[0], cache.k)
+    assert_same_codes(after_fused[1], cache.v)
+    assert rel_err(after_fused[2], cache.k_scale) < 1e-5 and torch.equal(after_fused[3], cache.v_scale)
 
 
 def check_prefill(q_lens, prefix_lens, nh, nkv, hd, dtype, with_cache=True, host_block_ends=False):
@@ -523,7 +537,7 @@ def test_compile_step_kernels_writes_no_cache():
     stores nothing in the cache."""
     k_cache, v_cache = paged_cache(5, 16, 2, 64, torch.float32)
     k0, v0 = k_cache.clone(), v_cache.clone()
-    attention.compile_step_kernels(k_cache, v_cache, 4, block=4)
+    attention.compile_step_kernels(k_cache, v_cache, None, 4, torch.float32, block=4)
     assert torch.equal(k_cache, k0) and torch.equal(v_cache, v0)
 
 
@@ -675,7 +689,7 @@ def test_gpu_attention_kernels_compile_once_for_every_step_shape():
     inv_freq = rope.rope_inv_freq(hd, 500000.0, LLAMA3_SCALING).to(DEVICE)
     k_cache, v_cache = paged_cache(2 * 70 * 2200 // page, page, nkv, hd, dtype)
     kernels = (attention._decode_kernel, attention._decode_merge_kernel, attention._prefill_kernel)
-    attention.compile_step_kernels(k_cache, v_cache, nh, block=0)
+    attention.compile_step_kernels(k_cache, v_cache, None, nh, dtype, block=0)
 
     def step(rows, longest, rope_rows):
         """A mixed step's attention: `rows` prefill chunks with cached prefixes, then as many decode
@@ -712,3 +726,207 @@ def test_gpu_fp32_attention_exact():
     """fp32 inputs run the attention dots in IEEE fp32 (no tf32): error at fp32 rounding level."""
     check_decode([1, 333, 2000], 32, 8, 128, torch.float32, 4)
     check_prefill([5, 300], [0, 77], 32, 8, 128, torch.float32)
+
+
+# --------------------------------------------------------------------------------------------------
+# FP8 KV cache: e4m3 rows, an fp32 scale per (token, KV head)
+
+
+def assert_close_fp8_kv(out, ref, dtype, what):
+    """assert_close for attention over an FP8 cache. The kernels scale scores and probabilities where
+    the reference scales keys and values: in fp32 that rounds apart by ~1e-7 of a score, which
+    fp8_paged_cache's spread of magnitudes (sharp softmaxes) can lift to ~1e-5 of the output; in
+    bf16 the value scales ride on the bf16 probabilities, one rounding more than over a bf16 cache
+    (which the interpreter truncates)."""
+    assert not out.float().isnan().any(), f"{what}: unwritten (NaN) elements"
+    err, bound = rel_err(out, ref), 1e-4 if dtype == torch.float32 else 1.5e-2
+    assert err < bound, f"{what}: relative error {err:.2e} >= {bound:.0e}"
+
+
+def fp8_paged_cache(num_blocks, block_size, nkv, hd, decades=4):
+    """A random FP8 cache, its rows' magnitudes spread over `decades` powers of ten around 1 so the
+    scales matter: (k_cache, v_cache, (k_scale, v_scale))."""
+    caches, scales = [], []
+    for _ in range(2):
+        x = torch.randn(num_blocks, block_size, nkv, hd, device=DEVICE)
+        x *= 10.0 ** (decades * (torch.rand(num_blocks, block_size, nkv, 1, device=DEVICE) - 0.5))
+        xq, sc = rope.quantize_kv_ref(x)
+        caches.append(xq)
+        scales.append(sc)
+    return caches[0], caches[1], tuple(scales)
+
+
+def assert_same_codes(mine, want):
+    """e4m3 codes equal, or one grid step apart where the GPU's fp32 division (not correctly rounded)
+    put row / scale on the other side of a rounding midpoint than torch's."""
+    a, b = mine.float(), want.float()
+    assert not a.isnan().any()
+    assert ((a - b).abs() <= e4m3_ulp(torch.maximum(a.abs(), b.abs()))).all()
+    assert (a != b).float().mean() < 1e-3
+
+
+def test_kv_quantisation_reference():
+    """Each row: scale = amax / 448, every code the nearest e4m3 value of row / scale; a zero row
+    stays zero; dequantised, the row is within e4m3's precision."""
+    x = torch.randn(64, 4, 128, dtype=torch.float64) * 10.0 ** (4 * torch.rand(64, 4, 1) - 2)
+    x[3, 1] = 0
+    xq, sc = rope.quantize_kv_ref(x.float())
+    keep = torch.arange(256) != 13
+    assert_fp8_rows(xq.flatten(0, 1)[keep], sc.flatten()[keep], x.float().double().flatten(0, 1)[keep])
+    assert (xq[3, 1].float() == 0).all()
+    assert rel_err(rope.dequantize_kv_ref(xq, sc), x) < 2.0 ** -4
+
+
+@pytest.mark.parametrize("t,nh,nkv,hd", [(1, 9, 3, 64), (70, 8, 2, 128)])
+def test_rope_stores_fp8_k_and_v(t, nh, nkv, hd):
+    """The RoPE launch's KV store into an FP8 cache: the codes and scales write_kv_ref stores for
+    the rotated k (as the model dtype holds it) and v, bit for bit."""
+    dtype = torch.bfloat16
+    qkv = torch.randn(t, (nh + 2 * nkv) * hd, device=DEVICE, dtype=dtype)
+    q = qkv[:, :nh * hd].view(t, nh, hd)
+    k = qkv[:, nh * hd:(nh + nkv) * hd].view(t, nkv, hd)
+    v = qkv[:, (nh + nkv) * hd:].view(t, nkv, hd)
+    positions = torch.randint(0, 100_000, (t,), device=DEVICE)
+    inv_freq = rope.rope_inv_freq(hd, 500000.0, None).to(DEVICE)
+    num_blocks = t // 16 + 3
+    k_cache, v_cache, scales = fp8_paged_cache(num_blocks, 16, nkv, hd)
+    want = [k_cache.clone(), v_cache.clone(), scales[0].clone(), scales[1].clone()]
+    slots = torch.randperm(num_blocks * 16, device=DEVICE)[:t]
+    rope.apply_rope_triton(q, k, positions, inv_freq, (v, k_cache, v_cache, slots, scales))
+    rope.write_kv_ref(k, v, want[0], want[1], slots, (want[2], want[3]))     # k: rotated in place
+    assert torch.equal(scales[0], want[2]) and torch.equal(scales[1], want[3])
+    assert_same_codes(k_cache, want[0])
+    assert_same_codes(v_cache, want[1])
+
+
+def check_decode_fp8(lens, nh, nkv, hd, dtype, num_splits):
+    num_blocks = sum(-(-c // 16) for c in lens) + 3
+    k_cache, v_cache, scales = fp8_paged_cache(num_blocks, 16, nkv, hd)
+    tables = block_tables_for(lens, 16, num_blocks)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(lens), nh, hd, device=DEVICE, dtype=dtype)
+    out = attention.decode_attention_triton(q, k_cache, v_cache, tables, ctx, hd ** -0.5, num_splits=num_splits,
+                                            kv_scales=scales)
+    ref = attention.decode_attention_ref(q, k_cache, v_cache, tables, ctx, hd ** -0.5, kv_scales=scales)
+    assert_close_fp8_kv(out, ref, dtype, f"decode over an FP8 cache (splits {num_splits})")
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_fp8_cache(poisoned, dtype, num_splits):
+    check_decode_fp8([1, 16, 37, 300], 8, 2, 128, dtype, num_splits)
+
+
+def check_decode_rope_fp8(lens, nh, nkv, hd, num_splits):
+    """new_kv into an FP8 cache: the kernel rotates, quantises and stores the row, then reads it back
+    like every other key. Against the reference (output and cache), and bit for bit against the
+    RoPE kernel storing the row, then the kernel without new_kv. (Rows of one magnitude: the kernel
+    and torch may round a rotated q or k value one bf16 step apart, which a sharper softmax would
+    amplify.)"""
+    dtype, bs = torch.bfloat16, 16
+    num_blocks = sum(-(-c // bs) for c in lens) + 3
+    cache = fp8_paged_cache(num_blocks, bs, nkv, hd, decades=0)
+    tables = block_tables_for(lens, bs, num_blocks)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    b = len(lens)
+    qkv = torch.randn(b, (nh + 2 * nkv) * hd, device=DEVICE, dtype=dtype)
+
+    def split(t):
+        return (t[:, :nh * hd].view(b, nh, hd), t[:, nh * hd:(nh + nkv) * hd].view(b, nkv, hd),
+                t[:, (nh + nkv) * hd:].view(b, nkv, hd))
+
+    def copy():
+        return cache[0].clone(), cache[1].clone(), (cache[2][0].clone(), cache[2][1].clone())
+    inv_freq = rope.rope_inv_freq(hd, 500000.0, LLAMA3_SCALING).to(DEVICE)
+    caches = [copy() for _ in range(3)]
+    q, k, v = split(qkv.clone())
+    out = attention.decode_attention_triton(q, *caches[0][:2], tables, ctx, hd ** -0.5, (k, v, inv_freq), num_splits,
+                                            kv_scales=caches[0][2])
+    q, k, v = split(qkv.clone())
+    ref = attention.decode_attention_ref(q, *caches[1][:2], tables, ctx, hd ** -0.5, (k, v, inv_freq),
+                                         kv_scales=caches[1][2])
+    assert_close_fp8_kv(out, ref, dtype, f"decode with RoPE into an FP8 cache (splits {num_splits})")
+    for i in range(2):
+        assert rel_err(caches[0][2][i], caches[1][2][i]) < 1e-2
+        assert rel_err(rope.dequantize_kv_ref(caches[0][i], caches[0][2][i]),
+                       rope.dequantize_kv_ref(caches[1][i], caches[1][2][i])) < 1e-2
+    q, k, v = split(qkv.clone())
+    pos = ctx.long() - 1
+    slots = tables.gather(1, (pos // bs)[:, None]).squeeze(1).long() * bs + pos % bs
+    rope.apply_rope_triton(q, k, pos, inv_freq, (v, *caches[2][:2], slots, caches[2][2]))
+    before = attention.decode_attention_triton(q, *caches[2][:2], tables, ctx, hd ** -0.5, num_splits=num_splits,
+                                               kv_scales=caches[2][2])
+    assert torch.equal(out, before), "decode with RoPE differs from RoPE's kernel then decode"
+    for a, c in zip((caches[0][0], caches[0][1], *caches[0][2]), (caches[2][0], caches[2][1], *caches[2][2])):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == rope.KV_FP8 else a,
+                           c.view(torch.uint8) if c.dtype == rope.KV_FP8 else c)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_attention_rope_fp8_cache(poisoned, num_splits):
+    check_decode_rope_fp8([1, 17, 37, 300], 8, 2, 128, num_splits)
+
+
+def check_prefill_fp8(q_lens, prefixes, nh, nkv, hd, dtype):
+    bs = 16
+    ctx_lens = [q + p for q, p in zip(q_lens, prefixes)]
+    t = sum(q_lens)
+    num_blocks = sum(-(-c // bs) for c in ctx_lens) + 2
+    k_cache, v_cache, scales = fp8_paged_cache(num_blocks, bs, nkv, hd)
+    tables = block_tables_for(ctx_lens, bs, num_blocks)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
+    q, k, v = (torch.randn(t, n, hd, device=DEVICE, dtype=dtype) for n in (nh, nkv, nkv))
+    out = attention.prefill_attention_triton(q, k, v, cu, ctx, tables, k_cache, v_cache, hd ** -0.5, max(prefixes),
+                                             kv_scales=scales)
+    ref = attention.prefill_attention_ref(q, k, v, cu, ctx, tables, k_cache, v_cache, hd ** -0.5, scales)
+    assert_close_fp8_kv(out, ref, dtype, "prefill over an FP8 prefix")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_attention_fp8_prefix(poisoned, dtype):
+    """Chunks after cached prefixes in an FP8 cache (the prefix scaled, the chunk's own keys read
+    unquantised), full and partial key tiles, and a fresh prompt beside them."""
+    check_prefill_fp8([1, 70, 129, 40], [50, 300, 256, 0], 4, 2, 64, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 1, 8])
+def test_gpu_decode_attention_fp8_llama(poisoned, num_splits):
+    check_decode_fp8([1, 1000, 4097, 8191], 32, 8, 128, torch.bfloat16, num_splits)
+    check_decode_rope_fp8([1, 1000, 4097, 8191], 32, 8, 128, num_splits)
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_attention_fp8_llama(poisoned):
+    check_prefill_fp8([1, 200, 1000], [700, 100, 513], 32, 8, 128, torch.bfloat16)
+    check_prefill_fp8([300, 1000], [3000, 2048], 32, 8, 128, torch.bfloat16)   # long prefixes: 3 stages
+
+
+def test_fp8_cache_attention_against_the_unquantised_cache():
+    """What the FP8 cache costs: decode attention over the quantised copy of a bf16 cache against
+    the bf16 cache itself, in the reference (e4m3 keeps 3 mantissa bits: a few percent per value,
+    averaged down by the softmax's weighted sums)."""
+    nh, nkv, hd, bs = 8, 2, 128, 16
+    lens = [64, 300, 1000]
+    num_blocks = sum(-(-c // bs) for c in lens) + 1
+    k_cache, v_cache = paged_cache(num_blocks, bs, nkv, hd, torch.float32)
+    (kq, ks), (vq, vs) = rope.quantize_kv_ref(k_cache), rope.quantize_kv_ref(v_cache)
+    tables = block_tables_for(lens, bs, num_blocks)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(lens), nh, hd, device=DEVICE) * 0.3
+    exact = attention.decode_attention_ref(q, k_cache, v_cache, tables, ctx, hd ** -0.5)
+    fp8 = attention.decode_attention_ref(q, kq, vq, tables, ctx, hd ** -0.5, kv_scales=(ks, vs))
+    assert rel_err(fp8, exact) < 4e-2
+
+
+def test_fp8_cache_needs_its_scales():
+    k_cache, v_cache, scales = fp8_paged_cache(4, 16, 2, 64)
+    q = torch.randn(1, 4, 64, device=DEVICE)
+    tables = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+    ctx = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="kv_scales"):
+        attention.decode_attention(q, k_cache, v_cache, tables, ctx, 0.1)
+    bf16_cache = paged_cache(4, 16, 2, 64, torch.float32)
+    with pytest.raises(ValueError, match="kv_scales"):
+        attention.decode_attention(q, *bf16_cache, tables, ctx, 0.1, kv_scales=scales)

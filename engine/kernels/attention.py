@@ -25,6 +25,10 @@ whose `write_kv_ref` is the reference), and the decode kernel its own rows'.
   take whatever changes between steps as runtime arguments; this compiles the few binaries left
   (per model) when the engine starts, so none compiles while a request waits.
 Block tables are int32 [num_seqs, max_blocks]; context lengths int32; block_size a power of two.
+An FP8 cache (rope.py's layout, with `kv_scales` = (k_scale, v_scale)): the kernels feed its e4m3
+values to the dot products as they are (exact in bf16/fp16) and apply the row scales to the scores
+(keys) and to the probabilities (values), in fp32; this step's own keys (a prefill chunk's) are
+read unquantised. The references dequantise in fp32.
 """
 from __future__ import annotations
 
@@ -32,8 +36,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.norms import quantize_e4m3
 from engine.kernels.platform import capability, interpreting, jit, output_buffer, sm_count, triton_runs
-from engine.kernels.rope import apply_rope_ref, check_cache, rope_cos_sin, rope_rotate, write_kv_ref
+from engine.kernels.rope import (apply_rope_ref, check_cache, check_kv_scales, dequantize_kv_ref, rope_cos_sin,
+                                 rope_rotate, write_kv_ref)
 
 try:
     import triton
@@ -42,11 +48,14 @@ except ImportError:  # no Triton: the references run
     triton = None
 
 
-def _gather_seq(cache, block_table, length):
-    """The first `length` cached rows of one sequence: [length, n_kv, hd]."""
+def _gather_seq(cache, block_table, length, scale=None):
+    """The first `length` cached rows of one sequence: [length, n_kv, hd] (fp32, dequantised, where
+    the cache is FP8 with `scale`)."""
     bs = cache.shape[1]
     nblocks = (length + bs - 1) // bs
-    return cache[block_table[:nblocks].long()].flatten(0, 1)[:length]
+    blocks = block_table[:nblocks].long()
+    rows = cache[blocks].flatten(0, 1)[:length]
+    return rows if scale is None else dequantize_kv_ref(rows, scale[blocks].flatten(0, 1)[:length])
 
 
 def _attend(q, k, v, scale):
@@ -65,10 +74,13 @@ def _attend(q, k, v, scale):
     return (scores.softmax(-1) @ vf).transpose(0, 1).to(q.dtype)     # [Lq, nh, hd]
 
 
-def prefill_attention_ref(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale):
+def prefill_attention_ref(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale,
+                          kv_scales=None):
     """Causal attention for packed sequences. q: [T, nh, hd]; k, v: [T, n_kv, hd] (this step's keys).
     Sequence i owns rows cu_seqlens_q[i]:cu_seqlens_q[i+1] and sees context_lens[i] keys in all: a
-    cached prefix (read from the paged cache, which already holds this step's keys) plus its own."""
+    cached prefix (read from the paged cache, which already holds this step's keys) plus its own,
+    read from k and v."""
+    ks_, vs_ = kv_scales or (None, None)
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
     ctx = context_lens.tolist()
@@ -77,28 +89,31 @@ def prefill_attention_ref(q, k, v, cu_seqlens_q, context_lens, block_tables, k_c
         if ctx[i] == e - s:      # no prefix: this step's keys are all there is
             ks, vs = k[s:e], v[s:e]
         else:
-            ks = _gather_seq(k_cache, block_tables[i], ctx[i])
-            vs = _gather_seq(v_cache, block_tables[i], ctx[i])
+            prefix = ctx[i] - (e - s)
+            ks = torch.cat([_gather_seq(k_cache, block_tables[i], prefix, ks_).float(), k[s:e].float()])
+            vs = torch.cat([_gather_seq(v_cache, block_tables[i], prefix, vs_).float(), v[s:e].float()])
         out[s:e] = _attend(q[s:e], ks, vs, scale)
     return out
 
 
-def decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv=None):
+def decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv=None, kv_scales=None):
     """One query per sequence. q: [B, nh, hd]; sequence b sees its first context_lens[b] cached keys.
     new_kv = (k, v, inv_freq), k and v [B, nkv, hd]: each row's token is the last of its context
     (position context_lens - 1); its q and k are not rotated yet and its k, v not cached: RoPE
-    rotates them and the cache gets k, v at that position first (what the RoPE kernel would do)."""
+    rotates them and the cache gets k, v at that position first (what the RoPE kernel would do),
+    and every key, that one included, is read back from the cache."""
+    ks_, vs_ = kv_scales or (None, None)
     if new_kv is not None:
         k, v, inv_freq = new_kv
         pos = context_lens.long() - 1
         q, k = apply_rope_ref(q, k, pos, inv_freq)
         bs = k_cache.shape[1]
         slots = block_tables.gather(1, (pos // bs)[:, None]).squeeze(1).long() * bs + pos % bs
-        write_kv_ref(k, v, k_cache, v_cache, slots)
+        write_kv_ref(k, v, k_cache, v_cache, slots, kv_scales)
     out = torch.empty_like(q)
     for b, length in enumerate(context_lens.tolist()):
-        ks = _gather_seq(k_cache, block_tables[b], length)
-        vs = _gather_seq(v_cache, block_tables[b], length)
+        ks = _gather_seq(k_cache, block_tables[b], length, ks_)
+        vs = _gather_seq(v_cache, block_tables[b], length, vs_)
         out[b] = _attend(q[b:b + 1], ks, vs, scale)[0]
     return out
 
@@ -147,6 +162,40 @@ def _rotate_head(x_ptr, d, partner, first, cos, sin):
     return tl.where(first, y1, y2)
 
 
+@jit
+def _load_cached(cache_ptr, scale_ptr, rows, d, mask, KV_FP8: tl.constexpr, HEAD_DIM: tl.constexpr, dtype):
+    """Cached rows (offsets `rows` of their head rows, [N]) at columns d, in `dtype` (exact for e4m3),
+    and their scales [N] (an FP8 cache's, at offset / HEAD_DIM; else 1). mask None: all rows valid."""
+    if mask is None:
+        x = tl.load(cache_ptr + rows[:, None] + d[None, :])
+    else:
+        x = tl.load(cache_ptr + rows[:, None] + d[None, :], mask=mask[:, None], other=0.0)
+    if KV_FP8:
+        if mask is None:
+            sc = tl.load(scale_ptr + rows // HEAD_DIM)
+        else:
+            sc = tl.load(scale_ptr + rows // HEAD_DIM, mask=mask, other=0.0)
+    else:
+        sc = 1.0
+    return x.to(dtype), sc
+
+
+@jit
+def _store_cached(cache_ptr, scale_ptr, row, x, KV_FP8: tl.constexpr, HEAD_DIM: tl.constexpr, dtype,
+                  ROUND_IN_FP32: tl.constexpr):
+    """One head row x (fp32 [HEAD_DIM]) stored at offset `row` of the cache: as `dtype` (the model's)
+    rounds it, and in an FP8 cache then quantised with its scale (the RoPE kernel's quantisation)."""
+    x = x.to(dtype)
+    if KV_FP8:
+        xf = x.to(tl.float32)
+        amax = tl.max(tl.abs(xf), axis=0)
+        sc = tl.where(amax > 0, amax / 448.0, 1.0)
+        tl.store(scale_ptr + row // HEAD_DIM, sc)
+        tl.store(cache_ptr + row + tl.arange(0, HEAD_DIM), quantize_e4m3(xf, sc, ROUND_IN_FP32))
+    else:
+        tl.store(cache_ptr + row + tl.arange(0, HEAD_DIM), x.to(cache_ptr.dtype.element_ty))
+
+
 # The attention kernels run outside the step graphs, on each step's own shapes. What changes from
 # step to step is therefore a runtime argument that Triton must not specialise on: the sequence
 # count, the block tables' width, the split count, and the alignment of a mixed step's decode rows
@@ -155,12 +204,13 @@ def _rotate_head(x_ptr, d, partner, first, cos, sin):
 # merge keeps the split count compile-time, for its tile: compile_step_kernels builds all six.)
 @jit(do_not_specialize=["bt_stride", "num_splits"],
      do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr"])
-def _decode_kernel(q_ptr, k_ptr, v_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-                   context_lens_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, scale_log2e,
-                   q_stride_b, q_stride_h, k_stride_b, k_stride_h, v_stride_b, v_stride_h,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                   block_tables_ptr, context_lens_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+                   scale_log2e, q_stride_b, q_stride_h, k_stride_b, k_stride_h, v_stride_b, v_stride_h,
                    c_stride_block, c_stride_row, c_stride_head, bt_stride, n_heads, num_splits,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, ROPE: tl.constexpr, EXACT_FP32: tl.constexpr):
+                   BLOCK_N: tl.constexpr, ROPE: tl.constexpr, KV_FP8: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
+                   EXACT_FP32: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -189,11 +239,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, 
                          sin[None, :]).to(q_ptr.dtype.element_ty)
         if pos >= start:
             k = _rotate_head(k_ptr + seq * k_stride_b + kv_head * k_stride_h, d, partner, first, cos, sin)
-            v = tl.load(v_ptr + seq * v_stride_b + kv_head * v_stride_h + d)
+            v = tl.load(v_ptr + seq * v_stride_b + kv_head * v_stride_h + d).to(tl.float32)
             page = tl.load(block_tables_ptr + seq * bt_stride + pos // PAGE).to(tl.int64)
-            row = page * c_stride_block + (pos % PAGE) * c_stride_row + kv_head * c_stride_head + d
-            tl.store(k_cache_ptr + row, k.to(k_cache_ptr.dtype.element_ty))
-            tl.store(v_cache_ptr + row, v.to(v_cache_ptr.dtype.element_ty))
+            row = page * c_stride_block + (pos % PAGE) * c_stride_row + kv_head * c_stride_head
+            _store_cached(k_cache_ptr, k_scale_ptr, row, k, KV_FP8, HEAD_DIM, q_ptr.dtype.element_ty, ROUND_IN_FP32)
+            _store_cached(v_cache_ptr, v_scale_ptr, row, v, KV_FP8, HEAD_DIM, q_ptr.dtype.element_ty, ROUND_IN_FP32)
             tl.debug_barrier()             # the whole program sees the row before the loop reads it
     else:
         q = tl.load(q_at + d[None, :], mask=is_head[:, None], other=0.0)
@@ -205,16 +255,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, 
         valid = n < end                    # every tile holds at least one valid key: m stays finite
         page = tl.load(block_tables_ptr + seq * bt_stride + n // PAGE, mask=valid, other=0)
         rows = page.to(tl.int64) * c_stride_block + (n % PAGE) * c_stride_row + kv_head * c_stride_head
-        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        s = _dot(q, tl.trans(k), EXACT_FP32) * scale_log2e
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, EXACT_FP32)
-        m = m_new
+        k, k_scale = _load_cached(k_cache_ptr, k_scale_ptr, rows, d, valid, KV_FP8, HEAD_DIM, q.dtype)
+        v, v_scale = _load_cached(v_cache_ptr, v_scale_ptr, rows, d, valid, KV_FP8, HEAD_DIM, q.dtype)
+        m, l, acc = _online_softmax_step(q, k, v, k_scale, v_scale, m, l, acc, scale_log2e, valid[None, :], True,
+                                         KV_FP8, EXACT_FP32)
     if num_splits == 1:
         o = acc / l[:, None]
         tl.store(out_ptr + (seq * n_heads + heads)[:, None] * HEAD_DIM + d[None, :],
@@ -245,50 +289,54 @@ def _decode_merge_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
 
 
 @jit
-def _online_softmax_step(q, k, v, m, l, acc, scale_log2e, visible, MASKED: tl.constexpr,
-                         EXACT_FP32: tl.constexpr):
+def _online_softmax_step(q, k, v, k_scale, v_scale, m, l, acc, scale_log2e, visible, MASKED: tl.constexpr,
+                         SCALED: tl.constexpr, EXACT_FP32: tl.constexpr):
     """One key tile of an online softmax (exp2 domain): the running max m, sum l and output acc,
-    updated with the keys `visible` [rows, keys] (MASKED) or with all of them."""
-    s = _dot(q, tl.trans(k), EXACT_FP32) * scale_log2e
+    updated with the keys `visible` [rows, keys] (MASKED) or with all of them. SCALED: k and v are
+    an FP8 cache's values, k_scale and v_scale [keys] their rows' scales."""
+    s = _dot(q, tl.trans(k), EXACT_FP32)
+    if SCALED:
+        s = s * k_scale[None, :]
+    s = s * scale_log2e
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
     l = l * alpha + tl.sum(p, axis=1)
+    if SCALED:
+        p = p * v_scale[None, :]
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, EXACT_FP32)
     return m_new, l, acc
 
 
 @jit
-def _cached_tile(k_cache_ptr, v_cache_ptr, table_ptr, n0, prefix, d, kv_head, c_stride_block, c_stride_row,
-                 c_stride_head, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, MASKED: tl.constexpr):
+def _cached_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr, n0, prefix, d, kv_head,
+                 c_stride_block, c_stride_row, c_stride_head, dtype, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+                 MASKED: tl.constexpr, KV_FP8: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Keys and values n0 .. n0 + BLOCK_N - 1 of a sequence's cached prefix, through its block
-    table (MASKED: those past `prefix` read as 0)."""
+    table, in `dtype`, and their scales (_load_cached's; MASKED: those past `prefix` read as 0)."""
     n = n0 + tl.arange(0, BLOCK_N)
     if MASKED:
         valid = n < prefix
         page = tl.load(table_ptr + n // PAGE, mask=valid, other=0)
     else:
+        valid = None
         page = tl.load(table_ptr + n // PAGE)
     kv_rows = page.to(tl.int64) * c_stride_block + (n % PAGE) * c_stride_row + kv_head * c_stride_head
-    if MASKED:
-        k = tl.load(k_cache_ptr + kv_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + kv_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-    else:
-        k = tl.load(k_cache_ptr + kv_rows[:, None] + d[None, :])
-        v = tl.load(v_cache_ptr + kv_rows[:, None] + d[None, :])
-    return k, v
+    k, k_scale = _load_cached(k_cache_ptr, k_scale_ptr, kv_rows, d, valid, KV_FP8, HEAD_DIM, dtype)
+    v, v_scale = _load_cached(v_cache_ptr, v_scale_ptr, kv_rows, d, valid, KV_FP8, HEAD_DIM, dtype)
+    return k, v, k_scale, v_scale
 
 
 @jit(do_not_specialize=["bt_stride", "n_seqs"])
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
                     cu_seqlens_ptr, context_lens_ptr, block_ends_ptr, out_ptr, scale_log2e,
                     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
                     c_stride_block, c_stride_row, c_stride_head, bt_stride, n_seqs, n_heads,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEQ_CHUNK: tl.constexpr,
-                    EXACT_FP32: tl.constexpr):
+                    KV_FP8: tl.constexpr, EXACT_FP32: tl.constexpr):
     pid = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
@@ -319,15 +367,18 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_
     # 1. the cached prefix, through the block table: every query sees all of it
     full = prefix // BLOCK_N * BLOCK_N
     for n0 in range(0, full, BLOCK_N):
-        k, v = _cached_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * bt_stride, n0, prefix, d,
-                            kv_head, c_stride_block, c_stride_row, c_stride_head, BLOCK_N, PAGE, False)
-        m, l, acc = _online_softmax_step(q, k, v, m, l, acc, scale_log2e, None, False, EXACT_FP32)
-    for n0 in range(full, prefix, BLOCK_N):   # the partial last tile
-        k, v = _cached_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * bt_stride, n0, prefix, d,
-                            kv_head, c_stride_block, c_stride_row, c_stride_head, BLOCK_N, PAGE, True)
-        n = n0 + tl.arange(0, BLOCK_N)
-        m, l, acc = _online_softmax_step(q, k, v, m, l, acc, scale_log2e, (n < prefix)[None, :], True,
+        k, v, k_scale, v_scale = _cached_tile(
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr + seq * bt_stride, n0, prefix, d,
+            kv_head, c_stride_block, c_stride_row, c_stride_head, q.dtype, BLOCK_N, PAGE, False, KV_FP8, HEAD_DIM)
+        m, l, acc = _online_softmax_step(q, k, v, k_scale, v_scale, m, l, acc, scale_log2e, None, False, KV_FP8,
                                          EXACT_FP32)
+    for n0 in range(full, prefix, BLOCK_N):   # the partial last tile
+        k, v, k_scale, v_scale = _cached_tile(
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr + seq * bt_stride, n0, prefix, d,
+            kv_head, c_stride_block, c_stride_row, c_stride_head, q.dtype, BLOCK_N, PAGE, True, KV_FP8, HEAD_DIM)
+        n = n0 + tl.arange(0, BLOCK_N)
+        m, l, acc = _online_softmax_step(q, k, v, k_scale, v_scale, m, l, acc, scale_log2e, (n < prefix)[None, :],
+                                         True, KV_FP8, EXACT_FP32)
 
     # 2. this chunk's own keys: those before the block's first query row0 (BLOCK_N divides BLOCK_M)
     #    are seen by every row, then the diagonal tiles, causal (query i sees keys 0..i)
@@ -338,14 +389,14 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_
         n = n0 + tl.arange(0, BLOCK_N)
         k = tl.load(k_rows + n[:, None] * k_stride_t)
         v = tl.load(v_rows + n[:, None] * v_stride_t)
-        m, l, acc = _online_softmax_step(q, k, v, m, l, acc, scale_log2e, None, False, EXACT_FP32)
+        m, l, acc = _online_softmax_step(q, k, v, 1.0, 1.0, m, l, acc, scale_log2e, None, False, False, EXACT_FP32)
     for n0 in range(row0, tl.minimum(q_len, row0 + BLOCK_M), BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         in_chunk = n < q_len
         k = tl.load(k_rows + n[:, None] * k_stride_t, mask=in_chunk[:, None], other=0.0)
         v = tl.load(v_rows + n[:, None] * v_stride_t, mask=in_chunk[:, None], other=0.0)
-        m, l, acc = _online_softmax_step(q, k, v, m, l, acc, scale_log2e,
-                                         (n[None, :] <= rows[:, None]) & in_chunk[None, :], True, EXACT_FP32)
+        m, l, acc = _online_softmax_step(q, k, v, 1.0, 1.0, m, l, acc, scale_log2e,
+                                         (n[None, :] <= rows[:, None]) & in_chunk[None, :], True, False, EXACT_FP32)
 
     o = acc / l[:, None]
     tl.store(out_ptr + ((q_start + rows) * n_heads + head)[:, None] * HEAD_DIM + d[None, :],
@@ -353,7 +404,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_
 
 
 LOG2E = 1.4426950408889634
-DECODE_BLOCK_N = 64       # keys per tile of the decode kernel
+# The decode kernel's (keys per tile, pipeline stages), by cache format: an FP8 cache's tiles convert
+# in registers, and run fastest twice as wide and less deep (BENCHMARKS.md, "FP8 KV cache").
+DECODE_TILING = {"model dtype": (64, 3), "fp8": (128, 2)}
 MAX_DECODE_SPLITS = 64   # splits of one sequence's context, at most (decode_splits)
 SEQ_CHUNK = 64           # sequences the prefill kernel's owner search reads at a time
 PREFILL_BLOCK_M = 128     # queries per program of the prefill kernel
@@ -394,12 +447,12 @@ def decode_splits(num_seqs: int, num_kv_heads: int, device) -> int:
 
 
 def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv=None,
-                            num_splits=None, out=None):
-    """decode_attention_ref's contract (new_kv included) on the Triton kernels, into `out` where
-    given. num_splits overrides the split choice (tests, the benchmark's sweep)."""
+                            num_splits=None, out=None, kv_scales=None):
+    """decode_attention_ref's contract (new_kv, kv_scales included) on the Triton kernels, into `out`
+    where given. num_splits overrides the split choice (tests, the benchmark's sweep)."""
     b, nh, hd = q.shape
     nkv = k_cache.shape[2]
-    check_cache(k_cache, v_cache, hd)
+    check_cache(k_cache, v_cache, hd, kv_scales)
     if q.stride(-1) != 1:
         raise ValueError("decode_attention needs unit stride along head_dim")
     group = nh // nkv
@@ -409,6 +462,7 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, sca
     out = output_buffer(out, q.shape, q.dtype, q.device)
     if b == 0:
         return out
+    block_n, stages = DECODE_TILING["fp8" if kv_scales is not None else "model dtype"]
     if splits > 1:
         part_acc = torch.empty((b, nh, splits, hd), device=q.device, dtype=torch.float32)
         part_max = torch.empty((b, nh, splits), device=q.device, dtype=torch.float32)
@@ -424,12 +478,13 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, sca
     else:    # unused pointers and strides: ROPE is off
         new = (q, q, q, 0, 0, 0, 0)
     _decode_kernel[(b, nkv, splits)](
-        q, *new[:3], k_cache, v_cache, block_tables, context_lens, out, part_acc, part_max, part_sum,
+        q, *new[:3], k_cache, v_cache, *(kv_scales or (k_cache, v_cache)), block_tables, context_lens, out,
+        part_acc, part_max, part_sum,
         scale * LOG2E, q.stride(0), q.stride(1), *new[3:], k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), block_tables.stride(0), nh, splits, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=hd, PAGE=k_cache.shape[1],
-        BLOCK_N=DECODE_BLOCK_N, ROPE=new_kv is not None,
-        EXACT_FP32=_exact_fp32_dot(q.dtype), num_warps=4, num_stages=3)
+        BLOCK_N=block_n, ROPE=new_kv is not None, KV_FP8=kv_scales is not None,
+        ROUND_IN_FP32=interpreting(), EXACT_FP32=_exact_fp32_dot(q.dtype), num_warps=4, num_stages=stages)
     if splits > 1:
         _decode_merge_kernel[(b * nh,)](part_acc, part_max, part_sum, out, NUM_SPLITS=splits,
                                         HEAD_DIM=hd, num_warps=4)
@@ -437,7 +492,7 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, sca
 
 
 def prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale,
-                             max_prefix: int = 0, out=None, block_ends=None):
+                             max_prefix: int = 0, out=None, block_ends=None, kv_scales=None):
     t, nh, hd = q.shape
     nkv = k.shape[1]
     n_seqs = context_lens.shape[0]
@@ -446,7 +501,8 @@ def prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables, 
     if k_cache is None:   # no cache (embeddings): no sequence may have a prefix
         k_cache = v_cache = k.view(t, 1, nkv, hd)
         block_tables = context_lens.view(n_seqs, 1)
-    check_cache(k_cache, v_cache, hd)
+        kv_scales = None
+    check_cache(k_cache, v_cache, hd, kv_scales)
     out = output_buffer(out, q.shape, q.dtype, q.device)
     if t == 0:
         return out
@@ -459,11 +515,12 @@ def prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables, 
     grid = (triton.cdiv(t, PREFILL_BLOCK_M) + n_seqs, nh)
     block_n, stages = prefill_tiling(q.dtype, max_prefix)
     _prefill_kernel[grid](
-        q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, block_ends, out,
+        q, k, v, k_cache, v_cache, *(kv_scales or (k_cache, v_cache)), block_tables, cu_seqlens_q, context_lens,
+        block_ends, out,
         scale * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), n_seqs, nh,
         GROUP=nh // nkv, HEAD_DIM=hd, PAGE=k_cache.shape[1], BLOCK_M=PREFILL_BLOCK_M,
-        BLOCK_N=block_n, SEQ_CHUNK=SEQ_CHUNK, EXACT_FP32=_exact_fp32_dot(q.dtype),
+        BLOCK_N=block_n, SEQ_CHUNK=SEQ_CHUNK, KV_FP8=kv_scales is not None, EXACT_FP32=_exact_fp32_dot(q.dtype),
         num_warps=8 if hd > 64 else 4, num_stages=stages)
     return out
 
@@ -472,24 +529,28 @@ def prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables, 
 # What the model calls: the Triton kernels where they apply, the references elsewhere.
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv=None, out=None):
-    """out: where the result goes (contiguous, q's shape), else a new tensor."""
+def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv=None, out=None,
+                     kv_scales=None):
+    """out: where the result goes (contiguous, q's shape), else a new tensor. kv_scales: (k_scale,
+    v_scale) of an FP8 cache."""
     if triton_runs(q):
         return decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv,
-                                       out=out)
-    o = decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv)
+                                       out=out, kv_scales=kv_scales)
+    check_kv_scales(k_cache, q.shape[-1], kv_scales)
+    o = decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv, kv_scales)
     return o if out is None else output_buffer(out, q.shape, q.dtype, q.device).copy_(o)
 
 
-def compile_step_kernels(k_cache, v_cache, num_heads: int, block: int) -> None:
+def compile_step_kernels(k_cache, v_cache, kv_scales, num_heads: int, dtype: torch.dtype, block: int) -> None:
     """Compile, before serving, the attention binaries a step launches outside its CUDA graphs: the
     decode kernel for a mixed step's decode rows (their K/V stored by the graph pieces: no RoPE),
     the merge for each split count, and the prefill kernel in both of its tilings (a short and a
     LONG_PREFIX cached prefix). The decode graphs' capture compiles the decode kernel with RoPE
     (with graphs off, the first decode step does). Every key read is in `block` of the cache (the
-    engine's scratch block); the outputs are dropped. A no-op where the Triton kernels do not run."""
+    engine's scratch block); the outputs are dropped. A no-op where the Triton kernels do not run.
+    kv_scales: (k_scale, v_scale) of an FP8 cache, else None; dtype: the model's."""
     _, page, nkv, hd = k_cache.shape
-    device, dtype = k_cache.device, k_cache.dtype
+    device = k_cache.device
     q = torch.zeros(1, num_heads, hd, device=device, dtype=dtype)
     if not triton_runs(q):
         return
@@ -503,20 +564,24 @@ def compile_step_kernels(k_cache, v_cache, num_heads: int, block: int) -> None:
     cu = torch.tensor([0, 1], dtype=torch.int32, device=device)
     for prefix in (1, LONG_PREFIX):
         tables, ctx = one_sequence(prefix + 1)
-        prefill_attention_triton(q, kv, kv, cu, ctx, tables, k_cache, v_cache, 1.0, prefix)
+        prefill_attention_triton(q, kv, kv, cu, ctx, tables, k_cache, v_cache, 1.0, prefix, kv_scales=kv_scales)
     tables, ctx = one_sequence(2)
     for splits in (1 << i for i in range(MAX_DECODE_SPLITS.bit_length())):
-        decode_attention_triton(q, k_cache, v_cache, tables, ctx, 1.0, num_splits=splits)
+        decode_attention_triton(q, k_cache, v_cache, tables, ctx, 1.0, num_splits=splits, kv_scales=kv_scales)
 
 
 def prefill_attention(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale,
-                      max_prefix: int = 0, out=None, block_ends=None):
+                      max_prefix: int = 0, out=None, block_ends=None, kv_scales=None):
     """max_prefix: the step's longest cached prefix (from the host), which picks the kernel's tiling.
     out: where the result goes (contiguous, q's shape), else a new tensor. block_ends: int32 [P],
     the running count of each sequence's ceil(q_len / PREFILL_BLOCK_M) query blocks, where the
-    caller has it (engine/batch.py counts it once per step)."""
+    caller has it (engine/batch.py counts it once per step). kv_scales: (k_scale, v_scale) of an
+    FP8 cache."""
     if triton_runs(q):
         return prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables,
-                                        k_cache, v_cache, scale, max_prefix, out, block_ends)
-    o = prefill_attention_ref(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale)
+                                        k_cache, v_cache, scale, max_prefix, out, block_ends, kv_scales)
+    if k_cache is not None:
+        check_kv_scales(k_cache, q.shape[-1], kv_scales)
+    o = prefill_attention_ref(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale,
+                              kv_scales)
     return o if out is None else output_buffer(out, q.shape, q.dtype, q.device).copy_(o)

@@ -13,6 +13,8 @@ from collections import OrderedDict
 
 import torch
 
+from engine.kernels.rope import KV_FP8
+
 
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int):
@@ -75,21 +77,32 @@ def block_hash(parent: int | None, tokens: tuple) -> int:
 
 
 class KVCache:
-    """Per-layer K and V tensors of shape [num_blocks + 1, block_size, n_kv_heads, head_dim].
+    """Per-layer K and V tensors of shape [num_blocks + 1, block_size, n_kv_heads, head_dim], in the
+    model dtype, or with fp8=True in e4m3 with an fp32 scale per (token, KV head) row in k_scale and
+    v_scale [num_layers, num_blocks + 1, block_size, n_kv_heads] (engine/kernels/rope.py's layout).
 
     The last block belongs to no sequence: padded rows of a CUDA-graph decode step write there."""
 
-    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
+    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, fp8=False):
         shape = (num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
         self.scratch_block = num_blocks
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        store = KV_FP8 if fp8 else dtype
+        self.k = torch.empty(shape, dtype=store, device=device)
+        self.v = torch.empty(shape, dtype=store, device=device)
+        self.k_scale = self.v_scale = None
+        if fp8:     # zeros: a row never written reads as 0, not as whatever the memory held
+            self.k_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
+            self.v_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = block_size
 
     def layer(self, i):
-        return self.k[i], self.v[i]
+        """(k_cache, v_cache, kv_scales) of layer i; kv_scales = (k_scale, v_scale), or None."""
+        scales = None if self.k_scale is None else (self.k_scale[i], self.v_scale[i])
+        return self.k[i], self.v[i], scales
 
     @staticmethod
-    def bytes_per_token(num_layers, num_kv_heads, head_dim, dtype) -> int:
+    def bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, fp8=False) -> int:
+        if fp8:     # a byte per value and the row's fp32 scale
+            return 2 * num_layers * num_kv_heads * (head_dim + 4)
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
