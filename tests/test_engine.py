@@ -410,17 +410,20 @@ def test_gpu_overlap_and_offload_give_the_same_tokens():
 
 @pytest.mark.gpu
 def test_gpu_model_larger_than_the_memory_limit_loads_and_runs_within_it():
-    """llama-3.2-1b shapes in bf16 (2.5 GB of weights) under a 1.8 GiB device memory limit: the model
+    """llama-3.2-1b shapes in fp32 (4.9 GB of weights) under a 3.6 GiB device memory limit: the model
     never fits the device at once, loads layer by layer, and neither the load nor generation
-    allocates more than the limit; the tokens equal the resident model's (both eager)."""
+    allocates more than the limit; the tokens equal the resident model's (both eager), or part at a
+    near-tie (tests/ties.py: with random weights the logits are near-flat, and in bf16 a rounding
+    difference between the two placements parted them once in a run of the whole file)."""
     import gc
-    kw = dict(device="cuda", dtype="bf16", kv_cache_tokens=4096, max_num_batched_tokens=2048, max_num_seqs=16,
+    torch.backends.cuda.matmul.allow_tf32 = False
+    kw = dict(device="cuda", dtype="fp32", kv_cache_tokens=4096, max_num_batched_tokens=2048, max_num_seqs=16,
               cuda_graphs=False)
     prompts = [list(range(100 + i, 100 + i + n)) for i, n in enumerate([3, 50, 200])]
-    p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
     resident = LLM("llama-3.2-1b", **kw)
     try:
-        want = [o.token_ids for o in resident.generate(prompts, p)]
+        want = resident.generate(prompts, p)
         model = resident.engine.model
         weight_bytes = sum(t.nbytes for t in model.state_dict().values())
     finally:
@@ -428,17 +431,17 @@ def test_gpu_model_larger_than_the_memory_limit_loads_and_runs_within_it():
     del resident, model
     gc.collect()
     torch.cuda.empty_cache()
-    limit = 1.8 * 2**30
+    limit = 3.6 * 2**30
     assert weight_bytes > limit
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     streamed = LLM("llama-3.2-1b", gpu_memory_limit=limit / 2**30, **kw)
     try:
         assert streamed.engine.streamer is not None
-        got = [o.token_ids for o in streamed.generate(prompts, p)]
+        got = streamed.generate(prompts, p)
         peak = torch.cuda.max_memory_allocated() - before
         assert peak <= limit, f"peak {peak / 2**30:.2f} GiB over the {limit / 2**30:.2f} GiB limit"
-        assert got == want
+        assert_same_greedy(got, want)
     finally:
         streamed.shutdown(timeout=1)
 
