@@ -57,8 +57,8 @@ class EngineConfig:
     # KV cache: a token count, or else a fraction of the free device memory (cuda) / a fixed default (cpu)
     kv_cache_tokens: int | None = None
     kv_cache_memory_fraction: float = 0.85
-    # "auto": K/V in the model dtype; "fp8": e4m3 with an fp32 scale per token and KV head, half the
-    # bytes each decode step reads and twice the tokens in the same memory (engine/kernels/rope.py)
+    # "auto": K/V in the model dtype; "fp8": e4m3 with an fp32 scale per token and KV head, twice the
+    # tokens in the same memory (engine/kernels/rope.py; its decode is no faster: BENCHMARKS.md)
     kv_cache_dtype: str = "auto"
     block_size: int = 16
     max_model_len: int | None = None      # None: the model's context length, capped at 8192
