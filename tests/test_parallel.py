@@ -185,6 +185,17 @@ def test_two_ranks_run_every_format(fmt):
         assert_same_greedy(out, ref, tol=1e-4)
 
 
+def test_two_ranks_with_an_fp8_kv_cache():
+    """Each rank stores its own KV heads in FP8, a scale per token and head as one rank would: the
+    greedy tokens through the cache are one rank's (up to a near-tie that the order of the
+    all-reduce's sums could tip through an e4m3 rounding)."""
+    from engine import SamplingParams
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=5)
+    ref, _ = _generate("llama-tiny", 1, params, kv_cache_dtype="fp8")
+    out, _ = _generate("llama-tiny", 2, params, kv_cache_dtype="fp8")
+    assert_same_greedy(out, ref, tol=1e-2)
+
+
 def test_two_ranks_with_a_quantised_tied_head(kv1_model):
     """A tied model's quantised head is made from every rank's rows of the table and cut back to
     the rank's vocabulary slice: the same weights as one rank's head, so the same logits."""
