@@ -66,6 +66,7 @@ QUALITY_CACHE_CHUNK = 16
 # fp32 on the CPU, 0.026 over 16 layers, 1.6e-3 a layer).
 LOSSLESS_TOLERANCE_PER_LAYER = {"bf16": 2e-3, "fp16": 5e-4, "fp32": 1e-5}
 GUARD_PROMPT = "The quick brown fox jumps over the lazy dog. In the beginning"
+GUARD_CHUNK = 16
 
 
 def sync(device):
@@ -306,10 +307,13 @@ def bench_config(name, overrides, args, device, shared):
     # Random weights give near-flat logits, so greedy tokens diverge under any rounding change; the
     # logits compared by relative error are the sharper guard. They are taken over the same tokens
     # for every configuration (the prompt and dense's continuation): past the first token where two
-    # continuations differ, their own logits would describe different sequences.
+    # continuations differ, their own logits would describe different sequences. They come through
+    # the paged KV cache, GUARD_CHUNK tokens a step, so a KV-cache format is guarded too (one pass
+    # without the cache with tensor parallelism, where the other ranks would need those steps).
     ref, ref_logits = shared.get("dense", (guard, None))
     with torch.inference_mode():
-        logits = engine.sequence_logits(guard_ids + ref).cpu()
+        ids = guard_ids + ref
+        logits = (engine.cached_logits(ids, GUARD_CHUNK) if engine.tp is None else engine.sequence_logits(ids)).cpu()
     if ref_logits is not None:
         row["agreement"] = sum(a == b for a, b in zip(guard, ref)) / len(ref)
         row["logits_rel_err"] = ((logits - ref_logits).norm() / ref_logits.norm()).item()
