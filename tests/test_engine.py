@@ -111,6 +111,9 @@ def test_logits_through_the_cache_match_one_pass(llm):
         llm.logits(ids, cache_chunk=0)
     with pytest.raises(TypeError, match="cache_chunk"):
         llm.logits(ids, cache_chunk="16")
+    with pytest.raises(ValueError, match="token_ids"):
+        llm.logits([5] * (llm.max_model_len + 1), cache_chunk=16)
+    assert llm.metrics()["kv_blocks_used"] == 0
 
 
 def test_fp8_kv_cache():
