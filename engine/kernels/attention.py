@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.norms import quantize_e4m3
+from engine.kernels.norms import e4m3_scale, quantize_e4m3
 from engine.kernels.platform import capability, interpreting, jit, output_buffer, sm_count, triton_runs
 from engine.kernels.rope import (apply_rope_ref, check_cache, check_kv_scales, dequantize_kv_ref, rope_cos_sin,
                                  rope_rotate, write_kv_ref)
@@ -188,8 +188,7 @@ def _store_cached(cache_ptr, scale_ptr, row, x, KV_FP8: tl.constexpr, HEAD_DIM: 
     x = x.to(dtype)
     if KV_FP8:
         xf = x.to(tl.float32)
-        amax = tl.max(tl.abs(xf), axis=0)
-        sc = tl.where(amax > 0, amax / 448.0, 1.0)
+        sc = e4m3_scale(tl.max(tl.abs(xf), axis=0))
         tl.store(scale_ptr + row // HEAD_DIM, sc)
         tl.store(cache_ptr + row + tl.arange(0, HEAD_DIM), quantize_e4m3(xf, sc, ROUND_IN_FP32))
     else:

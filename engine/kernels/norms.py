@@ -58,6 +58,13 @@ def l2_norm_ref(x, eps=1e-12):
 
 
 @jit
+def e4m3_scale(amax):
+    """A row's float8_e4m3fn scale from its fp32 amax: amax / 448, and 1 for an all-zero row (as
+    quantize_fp8_rows_ref)."""
+    return tl.where(amax > 0, amax / 448.0, 1.0)
+
+
+@jit
 def quantize_e4m3(y, scale, ROUND_IN_FP32: tl.constexpr):
     """fp32 y / scale as float8_e4m3fn codes, rounded to nearest even and saturated at +-448.
     The GPU's conversion (cvt.rn.satfinite) rounds that way itself; Triton's interpreter truncates
@@ -102,8 +109,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr,
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
     y = xf * rstd * w
     if QUANT_FP8:
-        amax = tl.max(tl.abs(y), axis=0)
-        scale = tl.where(amax > 0, amax / 448.0, 1.0)
+        scale = e4m3_scale(tl.max(tl.abs(y), axis=0))
         tl.store(out_ptr + row * n_cols + cols, quantize_e4m3(y, scale, ROUND_IN_FP32), mask=in_row)
         tl.store(scale_ptr + row, scale)
     else:

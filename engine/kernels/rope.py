@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from engine.kernels.norms import quantize_e4m3, quantize_fp8_rows_ref
+from engine.kernels.norms import e4m3_scale, quantize_e4m3, quantize_fp8_rows_ref
 from engine.kernels.platform import interpreting, jit, output_buffer, triton_runs
 
 try:
@@ -188,8 +188,8 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, k_cache_ptr, v_cach
             # quantised from the values the model dtype holds (write_kv_ref's input)
             y1 = y1.to(q_ptr.dtype.element_ty).to(tl.float32)
             y2 = y2.to(q_ptr.dtype.element_ty).to(tl.float32)
-            amax = tl.maximum(tl.max(tl.abs(y1), axis=1, keep_dims=True), tl.max(tl.abs(y2), axis=1, keep_dims=True))
-            scale = tl.where(amax > 0, amax / 448.0, 1.0)
+            scale = e4m3_scale(tl.maximum(tl.max(tl.abs(y1), axis=1, keep_dims=True),
+                                          tl.max(tl.abs(y2), axis=1, keep_dims=True)))
             tl.store(tl.where(is_v, v_scale_ptr, k_scale_ptr) + head_row // (2 * HALF), scale,
                      mask=(h >= n_q_heads) & (h < n_heads))
             tl.store(dst, quantize_e4m3(y1, scale, ROUND_IN_FP32), mask=cached)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.norms import quantize_e4m3, quantize_fp8_rows_ref, row_launch_config
+from engine.kernels.norms import e4m3_scale, quantize_e4m3, quantize_fp8_rows_ref, row_launch_config
 from engine.kernels.platform import interpreting, jit, triton_runs
 
 try:
@@ -48,8 +48,7 @@ def _swiglu_fp8_kernel(gate_up_ptr, out_ptr, scale_ptr, n_ffn, in_stride,
     g = tl.load(gate_up_ptr + row * in_stride + cols, mask=in_row, other=0.0).to(tl.float32)
     u = tl.load(gate_up_ptr + row * in_stride + n_ffn + cols, mask=in_row, other=0.0).to(tl.float32)
     h = g * tl.sigmoid(g) * u
-    amax = tl.max(tl.abs(h), axis=0)
-    scale = tl.where(amax > 0, amax / 448.0, 1.0)
+    scale = e4m3_scale(tl.max(tl.abs(h), axis=0))
     tl.store(out_ptr + row * n_ffn + cols, quantize_e4m3(h, scale, ROUND_IN_FP32), mask=in_row)
     tl.store(scale_ptr + row, scale)
 
