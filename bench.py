@@ -35,7 +35,6 @@ from engine.config import LM_HEAD_FORMATS, EngineConfig, resolve_dtype
 from engine.engine import Engine
 from engine.kernels.platform import capture
 from engine.memory import allocator
-from engine.memory.kv_cache import KVCache
 from engine.sampling import SamplingParams
 
 # name -> EngineConfig overrides; "lossless" configs must reproduce the dense logits up to rounding.
@@ -328,9 +327,7 @@ def bench_config(name, overrides, args, device, shared):
     row["prefill_tok_s"], prefill_host = bench_prefill(engine, rng, vocab, args.prefill_seqs, args.prefill_len)
     row["prefill_host_ms"] = prefill_host * 1e3
     # Per GPU: with tensor parallelism the weights, KV heads and roofline are one rank's.
-    kv_per_token = KVCache.bytes_per_token(engine.model_config.num_layers, engine.model.num_local_kv_heads,
-                                           engine.model_config.head_dim, engine.dtype,
-                                           fp8=engine.config.kv_cache_dtype == "fp8")
+    kv_per_token = engine.kv_bytes_per_token()
     wbytes = weight_bytes(engine)
     row["weight_GB"] = wbytes / 1e9
     for b in args.decode_batches:

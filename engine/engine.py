@@ -304,7 +304,8 @@ class Engine:
         if self._driving:
             self.tp.keepalive()
 
-    def _kv_bytes_per_token(self) -> int:
+    def kv_bytes_per_token(self) -> int:
+        """Bytes a token's K and V take in this engine's cache (this rank's KV heads), scales included."""
         cfg = self.model_config
         return KVCache.bytes_per_token(cfg.num_layers, self.model.num_local_kv_heads, cfg.head_dim, self.dtype,
                                        fp8=self.config.kv_cache_dtype == "fp8")
@@ -328,7 +329,7 @@ class Engine:
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             tokens = int((free * c.kv_cache_memory_fraction - self._activation_reserve())
-                         // self._kv_bytes_per_token())
+                         // self.kv_bytes_per_token())
         else:
             tokens = CPU_KV_TOKENS
         blocks = tokens // c.block_size
@@ -364,7 +365,7 @@ class Engine:
 
         place(0)    # Llama's layers are alike: the first one, converted, sizes the plan
         n = len(model.layers)
-        kv = (c.kv_cache_tokens or OFFLOAD_KV_TOKENS) * self._kv_bytes_per_token() + self._activation_reserve()
+        kv = (c.kv_cache_tokens or OFFLOAD_KV_TOKENS) * self.kv_bytes_per_token() + self._activation_reserve()
         if c.gpu_memory_limit is not None:
             limit = int(c.gpu_memory_limit * 2**30)
         elif self.device.type == "cuda":

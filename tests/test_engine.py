@@ -201,7 +201,7 @@ def _limit_streaming_three_of_four_layers(engine, kv_tokens: int) -> float:
     the non-layer weights, KV cache and activations + 1 resident layer + 2 buffers = base + 3
     layers; 3.5 layers is less than the 4 that all-resident needs."""
     from engine.streams import layer_stream_bytes
-    base = engine._non_layer_bytes() + kv_tokens * engine._kv_bytes_per_token() + engine._activation_reserve()
+    base = engine._non_layer_bytes() + kv_tokens * engine.kv_bytes_per_token() + engine._activation_reserve()
     return (base + 3.5 * layer_stream_bytes(engine.model.layers[0])) / 2**30
 
 

@@ -53,11 +53,10 @@ def check_kv_scales(k_cache, head_dim, scales):
         raise ValueError(f"kv_scales: an FP8 cache needs its scales and only it takes them (cache {k_cache.dtype})")
     if scales is not None:
         want = tuple(s // head_dim for s in k_cache.stride()[:-1])
-        for sc in scales:
-            if sc.dtype != torch.float32 or sc.shape != k_cache.shape[:-1] or sc.stride() != want \
-                    or k_cache.stride(2) != head_dim:
-                raise ValueError(f"kv_scales: fp32 {tuple(k_cache.shape[:-1])} laid out as the cache "
-                                 "without head_dim, on a cache whose head rows are contiguous")
+        if k_cache.stride(2) != head_dim or any(sc.dtype != torch.float32 or sc.shape != k_cache.shape[:-1]
+                                                or sc.stride() != want for sc in scales):
+            raise ValueError(f"kv_scales: fp32 {tuple(k_cache.shape[:-1])} laid out as the cache "
+                             "without head_dim, on a cache whose head rows are contiguous")
 
 
 def quantize_kv_ref(x):
