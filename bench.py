@@ -18,6 +18,7 @@ after the batch that crosses the limit, and the row then says so.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -60,6 +61,8 @@ QUALITY_HEADS = "fp8,nvfp4"     # LM-head formats measured beside each QUALITY r
 # control (the cache in the model dtype: the same logits as one pass, up to rounding).
 QUALITY_KV = {"dense, KV cache in the model dtype": {}, "dense, fp8 KV cache": {"kv_cache_dtype": "fp8"}}
 QUALITY_CACHE_CHUNK = 16
+# Numerics of a GPU path the CPU's reference does not take, emulated on the CPU (a row each).
+QUALITY_EMULATED = {"nvfp4, every GEMM past 128 tokens as sm_90 runs it (FP8)": {"weights": "nvfp4"}}
 # Relative logit error a lossless switch may cause by rounding alone, per decoder layer: two roundings
 # of the same math drift apart layer by layer (measured: the dense llama-3.2-1b preset in bf16 against
 # fp32 on the CPU, 0.026 over 16 layers, 1.6e-3 a layer).
@@ -451,10 +454,15 @@ def quality(args, device):
     rows, reference = {}, None
     # Checkpoints of the embedded model (benchmarks/make_checkpoint.py) load as stored, each its own row;
     # the load-time formats are measured with each LM head too.
-    entries = [(name, "llama", overrides, ("bf16", *args.quality_heads), None) for name, overrides in QUALITY.items()]
-    entries += [(name, "llama", overrides, ("bf16",), QUALITY_CACHE_CHUNK) for name, overrides in QUALITY_KV.items()]
-    entries += [(os.path.basename(os.path.normpath(path)), path, {}, ("bf16",), None) for path in args.checkpoint or []]
-    for name, model, overrides, heads, cache_chunk in entries:
+    plain = contextlib.nullcontext
+    entries = [(name, "llama", overrides, ("bf16", *args.quality_heads), None, plain)
+               for name, overrides in QUALITY.items()]
+    entries += [(name, "llama", overrides, ("bf16",), QUALITY_CACHE_CHUNK, plain) for name, overrides in QUALITY_KV.items()]
+    if device.type == "cpu":
+        entries += [(name, "llama", overrides, ("bf16",), None, nvfp4_fp8_path_on_cpu)
+                    for name, overrides in QUALITY_EMULATED.items()]
+    entries += [(os.path.basename(os.path.normpath(path)), path, {}, ("bf16",), None, plain) for path in args.checkpoint or []]
+    for name, model, overrides, heads, cache_chunk, numerics in entries:
         bf16_head = None
         for head in heads:
             label = name if head == "bf16" else f"{name}, {head} head"
@@ -464,7 +472,8 @@ def quality(args, device):
                 rows[label] = f"n/a ({e})"
                 continue
             try:
-                ppl, predictions, agreement = evaluate(llm, args.ppl_window, args.ppl_windows, reference, cache_chunk)
+                with numerics():
+                    ppl, predictions, agreement = evaluate(llm, args.ppl_window, args.ppl_windows, reference, cache_chunk)
             finally:
                 llm.shutdown(timeout=1)
             if reference is None:
@@ -475,6 +484,26 @@ def quality(args, device):
             elif bf16_head is not None:
                 rows[label]["top1_vs_bf16_head"] = top1_agreement(predictions, bf16_head)
     return rows
+
+
+@contextlib.contextmanager
+def nvfp4_fp8_path_on_cpu():
+    """The CPU's NVFP4 GEMM computes what sm_90 with CuTe DSL does: W4A16 up to the decode kernels'
+    M, past it the weight decoded to FP8 and x quantised per token (nvfp4_fp8_linear_reference)."""
+    from engine.formats import nvfp4
+    from engine.kernels.select import Kernel, clear_cache
+
+    def run(x, w, config=None):
+        big = x.shape[0] > nvfp4.nvfp4_triton.MAX_M
+        return (nvfp4.nvfp4_fp8_linear_reference if big else nvfp4.nvfp4_linear_reference)(x, w, x.dtype)
+    table = nvfp4.NVFP4_GEMM["other"]
+    nvfp4.NVFP4_GEMM["other"] = [Kernel("sm90_numerics_reference", run, needs_cuda=False)]
+    clear_cache()
+    try:
+        yield
+    finally:
+        nvfp4.NVFP4_GEMM["other"] = table
+        clear_cache()
 
 
 def write_outputs(results, args):

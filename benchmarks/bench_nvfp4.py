@@ -4,7 +4,9 @@ For every (N, K) and M: the time of the NVFP4 GEMM the engine selects (engine/fo
 `nvfp4_linear`, named by the kernel it picks) and of each candidate kernel called directly: the
 Gluon decode kernel (M <= 16; mma.sync on fragments loaded straight into registers,
 engine/kernels/nvfp4_gluon.py `decode_matmul`), the Triton decode kernel (M <= 128; WGMMA,
-engine/kernels/nvfp4_triton.py `decode_gemm`) and dequantise-to-bf16 + cuBLAS; next to bf16
+engine/kernels/nvfp4_triton.py `decode_gemm`), dequantise-to-bf16 + cuBLAS and, past 128 tokens,
+dequantise-to-FP8 + the CuTe DSL FP8 GEMM (checked against its own reference,
+`nvfp4_fp8_linear_reference`); next to bf16
 cuBLAS and fp8 _scaled_mm. Reported: the bytes each must move (weights as stored, activations,
 output), the achieved GB/s as a fraction of the HBM copy bandwidth measured in the same run, and
 TFLOP/s next to bf16 cuBLAS at 8192^3, measured here too. Every result is checked against a
@@ -36,6 +38,7 @@ import torch.nn.functional as F
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 from benchmarks.timing import time_graph  # noqa: E402
 from engine.formats import nvfp4 as nv  # noqa: E402
+from engine.kernels.platform import cute_available  # noqa: E402
 from engine.kernels.select import Problem, select  # noqa: E402
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate+up, down of Llama-3.1-8B
@@ -154,8 +157,10 @@ def main():
                              flops / t_us / 1e6, err))
 
             choice = select(nv.NVFP4_GEMM, Problem("nvfp4_gemm", m, n, k, device, (x.dtype, qs[0].tiled)))
+            # The FP8 path rounds the weight once more and quantises x: its own reference.
+            ref_fp8 = nv.nvfp4_fp8_linear_reference(x, qs[0], torch.float32).double() if m > dec.MAX_M else None
             measure(f"nvfp4 selected ({choice.kernel.name})", lambda i: nv.nvfp4_linear(x, qs[i]), copies_q,
-                    w_q.nbytes, ref)
+                    w_q.nbytes, ref_fp8 if choice.kernel.name == "fp8_dequantize_wgmma" else ref)
             if m <= 16:
                 gluon_cfg = gdec.decode_config(m, n, k, sms)
                 measure("nvfp4 Gluon decode", lambda i: gdec.decode_matmul(x, qs[i], out, gluon_cfg),
@@ -171,6 +176,10 @@ def main():
                 measure("nvfp4 dequant+cuBLAS",
                         lambda i: F.linear(x, dec.dequantize_bf16(qs[i])), copies_q,
                         w_q.nbytes + 2 * n * k * 2, ref)
+                if ref_fp8 is not None and cute_available():
+                    # + the FP8 weight written and read, x quantised (read, FP8 written and read)
+                    measure("nvfp4 dequant to FP8 + CuTe DSL FP8 GEMM", lambda i: nv.fp8_linear(
+                        x, *dec.dequantize_fp8(qs[i])), copies_q, w_q.nbytes + 2 * n * k + 4 * m * k, ref_fp8)
             measure("bf16 cuBLAS", lambda i: F.linear(x, bs[i]), copies_b, n * k * 2, ref_bf16)
             x_scale = x.float().abs().amax() / 448
             x_fp8 = (x.float() / x_scale).to(torch.float8_e4m3fn)

@@ -29,9 +29,12 @@ def test_bench_quick_runs_every_configuration(tmp_path, monkeypatch, capsys):
         assert row["prefill_tok_s"] > 0 and row["decode_b1_tok_s"] > 0
     assert rows["dense"]["agreement"] == 1.0
     quality = results["quality"]
-    assert set(quality) == {"dense", "fp8", "dense, fp8 head", "fp8, fp8 head", *bench.QUALITY_KV}  # --quick: fp8 head
+    assert set(quality) == {"dense", "fp8", "dense, fp8 head", "fp8, fp8 head", *bench.QUALITY_KV,  # --quick: fp8 head
+                            *bench.QUALITY_EMULATED}
     assert all(v["perplexity"] > 1 and 0 < v["top1_agreement"] <= 1 for v in quality.values()), quality
     assert quality["dense"]["top1_agreement"] == 1.0
+    from engine.formats import nvfp4    # the emulated row's kernel list is given back
+    assert [k.name for k in nvfp4.NVFP4_GEMM["other"]] == ["triton_decode", "dequantize_cublas", "reference"]
     assert all(0 < quality[k]["top1_vs_bf16_head"] <= 1 for k in ("dense, fp8 head", "fp8, fp8 head"))
     assert (out / "results.md").read_text().count("|") > 20
     assert (out / "tokens_per_sec.png").stat().st_size > 1000

@@ -13,7 +13,7 @@ import torch
 from engine.formats import FORMATS, format_class
 from engine.formats import fp8, nvfp4, sparse24
 from engine.kernels import select
-from engine.kernels.platform import fake_capability
+from engine.kernels.platform import cute_available, fake_capability
 from engine.kernels.select import Kernel, Problem
 from engine.kernels.tuner import Tuner
 from engine.streams.offload import find_tensors
@@ -59,8 +59,10 @@ def test_fp8_reference_on_cuda_warns_once_with_the_reasons(cap, n):
 
 
 @pytest.mark.parametrize("m,want", [(1, "gluon_decode"), (4, "gluon_decode"), (5, "triton_decode"),
-                                    (128, "triton_decode"), (129, "dequantize_cublas"), (8192, "dequantize_cublas")])
+                                    (128, "triton_decode"), (129, "large"), (8192, "large")])
 def test_nvfp4_selection_on_hopper(m, want):
+    if want == "large":
+        want = "fp8_dequantize_wgmma" if cute_available() else "dequantize_cublas"
     assert chosen(nvfp4.NVFP4_GEMM, "nvfp4_gemm", m, 28672, 4096, (9, 0), (torch.bfloat16, True)) == want
 
 
@@ -279,6 +281,8 @@ def test_gpu_every_selected_kernel_matches_the_format_reference(fmt, tmp_path):
     own allocations being uninitialised, and every element is checked finite."""
     torch.manual_seed(0)
     bound = {"fp8": 0.08, "2:4+fp8": 0.08}.get(fmt, 0.01)   # e4m3 activations: 3 mantissa bits
+    # NVFP4 past the decode kernels' 128 rows, where the FP8 GEMM runs: e4m3 activations too
+    fp8_path = cute_available()
     for n, k in ((1024, 512), (4096, 4096), (1536, 1152)):
         w = (torch.randn(n, k, device="cuda") * 0.05).to(torch.bfloat16)
         backend = format_class(fmt).from_dense(w)
@@ -291,7 +295,8 @@ def test_gpu_every_selected_kernel_matches_the_format_reference(fmt, tmp_path):
             for b in (backend, tuned):
                 out = b(x)
                 assert out.shape == (m, n) and torch.isfinite(out).all()
-                assert _rel_err(out, ref) < bound, (fmt, n, k, m, b.tuned)
+                tol = 0.08 if fmt == "nvfp4" and m > 128 and fp8_path else bound
+                assert _rel_err(out, ref) < tol, (fmt, n, k, m, b.tuned)
             h = backend.swiglu_forward(x)
             if h is not None:
                 g, u = ref.chunk(2, dim=-1)

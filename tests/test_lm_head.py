@@ -9,6 +9,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import HEAD_AGREEMENT_BOUND, LM_HEAD_FORMATS, OWN_HEAD_AGREEMENT, EngineConfig, default_lm_head
+from engine.formats import nvfp4
 from engine.formats.fp8 import dequantize_fp8, quantize_rows_fp8
 from engine.linear import tune_model
 from models.llama import LlamaForCausalLM
@@ -32,11 +33,22 @@ def random_model(tied, vocab=1001, hidden=96, device="cpu", dtype=torch.float32,
 
 def reference_logits(model, hidden, w=None):
     """float64 logits of the head as its format computes them: the dequantised weight (`w`, if
-    given), and for fp8 the activation quantised per token as the format's GEMM does."""
-    w = model.lm_head.backend.dequantize().double() if w is None else w
-    if model.lm_head.backend.name == "fp8":
+    given), and for fp8 the activation quantised per token as the format's GEMM does; for nvfp4,
+    past the decode kernels' M on a GPU that selects it, the FP8 path's weight and activations."""
+    backend = model.lm_head.backend
+    if backend.name == "nvfp4" and hidden.is_cuda and _fp8_path(backend, hidden):
+        return nvfp4.nvfp4_fp8_linear_reference(hidden, backend.tensor, torch.float32).double()
+    w = backend.dequantize().double() if w is None else w
+    if backend.name == "fp8":
         hidden = dequantize_fp8(*quantize_rows_fp8(hidden))
     return hidden.double() @ w.t()
+
+
+def _fp8_path(backend, hidden) -> bool:
+    from engine.kernels.select import Problem, select
+    problem = Problem("nvfp4_gemm", hidden.shape[0], backend.out_features, backend.in_features, hidden.device,
+                      (hidden.dtype, backend.packed.dim() == 4))
+    return select(nvfp4.NVFP4_GEMM, problem).kernel.name == "fp8_dequantize_wgmma"
 
 
 def rel_err(a, b):
@@ -139,7 +151,7 @@ def test_head_shapes_select_kernels_on_hopper(n, k):
     a decode or scoring step runs, never the reference."""
     from engine.formats import fp8, nvfp4
     from engine.kernels import select
-    from engine.kernels.platform import fake_capability
+    from engine.kernels.platform import cute_available, fake_capability
     cuda, tiled = torch.device("cuda"), nvfp4.tileable(n, k)
     select.clear_cache()
     try:
@@ -150,7 +162,8 @@ def test_head_shapes_select_kernels_on_hopper(n, k):
                     ("triton_stream" if m <= 16 else "cute_wgmma_sm90")
                 problem = select.Problem("nvfp4_gemm", m, n, k, cuda, (torch.bfloat16, tiled))
                 assert select.select(nvfp4.NVFP4_GEMM, problem).kernel.name == \
-                    ("gluon_decode" if m <= 4 else "triton_decode" if m <= 128 else "dequantize_cublas")
+                    ("gluon_decode" if m <= 4 else "triton_decode" if m <= 128 else
+                     "fp8_dequantize_wgmma" if cute_available() and n % 64 == 0 else "dequantize_cublas")
     finally:
         select.clear_cache()
 

@@ -158,7 +158,8 @@ def test_custom_op_matches_reference_and_passes_opcheck():
 
 def test_kernel_selection_per_architecture():
     # What nvfp4_linear runs, by architecture and M (engine/kernels/select.py), faked on the CPU:
-    # sm_90: Gluon decode to M = 4, Triton decode to 128, then decode + cuBLAS; sm_100: the CuTe DSL
+    # sm_90: Gluon decode to M = 4, Triton decode to 128, then decode to FP8 + the CuTe DSL FP8 GEMM
+    # (decode + cuBLAS without CuTe DSL or where N % 64 != 0); sm_100: the CuTe DSL
     # kernel on row-major storage where installed; fp32 activations or K % 64 only the reference.
     from engine.kernels.platform import cute_available, fake_capability
     from engine.kernels.select import Problem, clear_cache, select
@@ -169,8 +170,11 @@ def test_kernel_selection_per_architecture():
     clear_cache()
     try:
         with fake_capability((9, 0)):
+            large = "fp8_dequantize_wgmma" if cute_available() else "dequantize_cublas"
             assert [pick(m) for m in (1, 3, 4, 5, 16, 64, 128, 129, 200, 2048)] == (
-                ["gluon_decode"] * 3 + ["triton_decode"] * 4 + ["dequantize_cublas"] * 3)
+                ["gluon_decode"] * 3 + ["triton_decode"] * 4 + [large] * 3)
+            if cute_available():   # the FP8 GEMM takes N % 64 == 0
+                assert pick(200, n=4000) == "dequantize_cublas"
             assert pick(1, k=576, tiled=False) == "gluon_decode"
             assert pick(1, k=576, tiled=True) == "triton_decode"  # Gluon reads tiles 128 K deep
             with pytest.warns(RuntimeWarning, match="reference"):
@@ -410,6 +414,32 @@ def test_triton_dequantize_small():
     torch.testing.assert_close(got, nv.dequantize(w), rtol=1e-6, atol=0)
 
 
+def check_fp8_rows(w, got_q, got_scale):
+    """The kernel's FP8 rows equal to_fp8's (as values: a code of -0 may come out +0); to_fp8 is
+    within e4m3's rounding of the weight: half a unit in the 4th significant bit (2^-4 relative),
+    or, below e4m3's normal range (2^-6), half its subnormal step (2^-10)."""
+    q, scale = nv.to_fp8(w)
+    assert torch.equal(got_q.float().cpu(), q.float().cpu())
+    assert torch.equal(got_scale.cpu(), scale.cpu())
+    exact = nv.dequantize(w).cpu() / scale.cpu()[:, None]    # on q's scale, up to fp32 rounding
+    err = (q.float().cpu() - exact).abs()
+    bound = torch.where(exact.abs() >= 2.0 ** -6, exact.abs() * 2.0 ** -4, 2.0 ** -10)
+    assert (err <= bound * (1 + 1e-5)).all()
+    assert 0 < rel_err(q.float().cpu(), exact) < 0.05   # the rounding is real, and small
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("n,k,tiled", [(70, 320, False), (48, 512, True)])
+def test_triton_dequantize_fp8_small(n, k, tiled):
+    from engine.kernels.nvfp4_triton import dequantize_fp8
+    w = nv.quantize(torch.randn(n, k) * torch.rand(n, 1)).to(DEVICE)
+    w = nv.to_tiles(w) if tiled else w
+    q = torch.full((n, k), 1.0, device=DEVICE).to(torch.float8_e4m3fn)
+    scale = torch.full((n,), float("nan"), device=DEVICE)
+    dequantize_fp8(w, q, scale)
+    check_fp8_rows(w, q, scale)
+
+
 # --- CuTe DSL kernels, compiled on the CPU ------------------------------------------------------
 
 needs_cute = pytest.mark.skipif(importlib.util.find_spec("cutlass") is None,
@@ -457,7 +487,7 @@ def test_gpu_matmul_llama_shapes(n, k, tiled):
         ref = x.double() @ dq.t()
         y = nv.nvfp4_linear(x, w)
         assert y.dtype == torch.bfloat16 and not y.isnan().any(), m
-        err = rel_err(y, ref)
+        err = rel_err(y, expected(x, w))
         assert err < 5e-3, (m, "nvfp4_linear", err)
         kernels = [("triton_decode", lambda out: decode_gemm(x, w, out))] if m <= MAX_M else []
         if m <= 16:
@@ -612,15 +642,37 @@ def test_gpu_tail_n_and_dispatch():
         x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
         y = nv.nvfp4_linear(x, w)
         assert y.dtype == torch.bfloat16 and not y.isnan().any()
-        assert rel_err(y, x.double() @ dq.t()) < 5e-3
-    # Large M decodes into one reused scratch buffer: back-to-back GEMMs of a smaller, a larger
-    # (the buffer grows) and a tiled weight, each against its own reference.
+        assert rel_err(y, expected(x, w)) < 5e-3
+    # Large M decodes into reused scratch buffers: back-to-back GEMMs of a smaller, a larger (the
+    # buffers grow) and a tiled weight, each against its own reference.
     ws = [w, nv.quantize(torch.randn(3000, 4096, device="cuda")),
           nv.to_tiles(nv.quantize(torch.randn(512, 4096, device="cuda")))]
     x = torch.randn(300, 4096, device="cuda", dtype=torch.bfloat16)
     ys = [nv.nvfp4_linear(x, wi) for wi in ws]
     for wi, y in zip(ws, ys):
-        assert rel_err(y, x.double() @ nv.dequantize(wi).double().t()) < 5e-3
+        assert rel_err(y, expected(x, wi)) < 5e-3
+
+
+def expected(x, w):
+    """float64 reference of what nvfp4_linear computes for x: W4A16, or past the decode kernels'
+    M the FP8 path's (where it is selected) -- itself within a few percent of W4A16."""
+    from engine.kernels.select import Problem, select
+    exact = x.double() @ nv.dequantize(w).double().t()
+    problem = Problem("nvfp4_gemm", x.shape[0], *w.shape, x.device, (x.dtype, w.tiled))
+    if select(nv.NVFP4_GEMM, problem).kernel.name != "fp8_dequantize_wgmma":
+        return exact
+    fp8_path = nv.nvfp4_fp8_linear_reference(x, w, torch.float32).double()
+    assert rel_err(fp8_path, exact) < 0.06
+    return fp8_path
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", LLAMA_NK)
+def test_gpu_dequantize_fp8_llama_shapes(n, k):
+    from engine.kernels.nvfp4_triton import dequantize_fp8_scratch
+    for w in (nv.quantize(torch.randn(n, k, device="cuda") * 0.02), nv.to_tiles(nv.quantize(torch.randn(n, k, device="cuda")))):
+        q, scale = dequantize_fp8_scratch(w)
+        check_fp8_rows(w, q, scale)
 
 
 @pytest.mark.gpu

@@ -21,8 +21,10 @@ still feeds the tensor cores and the CUDA cores only decode e2m1, 17 instruction
   (engine/kernels/split_k.py). Launch parameters: `small_m_config`.
 
 `dequantize_bf16(w)` decodes the whole weight (`_decode_tile`, `prmt` table lookups);
-`dequantize_scratch(w)` into one reused buffer per device, for large M, where decoding once and
-cuBLAS's bf16 GEMM beat decoding per tile.
+`dequantize_fp8(w)` decodes it to FP8 rows instead (e4m3 codes, one fp32 scale per row; lossy by
+e4m3's rounding, `FP8_SHIFT`), for the FP8 GEMM. At large M, where decoding once and a tensor-core
+GEMM beat decoding per tile, `dequantize_scratch` / `dequantize_fp8_scratch` decode into one
+reused buffer per device.
 
 The interpreter (TRITON_INTERPRET=1) runs no inline PTX: there the kernels decode with Triton
 arithmetic computing the same function (`_e2m1_to_bf16_arith`, `_decode_words_arith`); a CPU test
@@ -34,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.norms import quantize_e4m3
 from engine.kernels.platform import interpreting, sm_count
 from engine.kernels.split_k import split_k_arrive, split_k_buffers, split_k_take
 
@@ -139,10 +142,19 @@ def _weight_offsets(rows, cols, k0, K: tl.constexpr, PER_K: tl.constexpr, TILED:
         return rows[:, None] * (K * PER_K // 128) + (k0 * PER_K // 128 + cols)[None, :]
 
 
+# dequantize_fp8 divides e2m1 * block_scale by this power of two: block scales are e4m3 (<= 448)
+# and |e2m1| <= 6, so every product (<= 2,688) lands within e4m3's 448 once divided by 8, and a
+# power of two adds no rounding of its own: the only loss is e4m3's mantissa (the product has up to
+# 5 significant bits, e4m3 keeps 4) and its subnormals (products under 1/8).
+FP8_SHIFT = tl.constexpr(8.0)
+
+
 @triton.jit
-def _dequantize_kernel(packed_ptr, scale_ptr, tensor_scale_ptr, out_ptr, N, K: tl.constexpr,
+def _dequantize_kernel(packed_ptr, scale_ptr, tensor_scale_ptr, out_ptr, row_scale_ptr, N, K: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETER: tl.constexpr,
-                       TILED: tl.constexpr):
+                       TILED: tl.constexpr, FP8: tl.constexpr):
+    """out = the decoded weight, row-major; FP8: e4m3(e2m1 * block_scale / FP8_SHIFT) and
+    row_scale[n] = tensor_scale * FP8_SHIFT (`dequantize_fp8`), else e2m1 * block_scale * tensor_scale."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     offs_kh = tl.arange(0, BLOCK_K // 2)
@@ -152,8 +164,14 @@ def _dequantize_kernel(packed_ptr, scale_ptr, tensor_scale_ptr, out_ptr, N, K: t
     scale_ptrs = scale_ptr + _weight_offsets(offs_n, offs_ks, k0, K, 8, TILED)
     even, odd = _decode_tile(packed_ptrs, scale_ptrs, (offs_n < N)[:, None], BLOCK_N, BLOCK_K,
                              INTERPRETER)
-    w = tl.join(even, odd).reshape(BLOCK_N, BLOCK_K)
-    w = (w.to(tl.float32) * tl.load(tensor_scale_ptr)).to(out_ptr.dtype.element_ty)
+    w = tl.join(even, odd).reshape(BLOCK_N, BLOCK_K).to(tl.float32)
+    if FP8:
+        w = quantize_e4m3(w, FP8_SHIFT, ROUND_IN_FP32=INTERPRETER)
+        if tl.program_id(1) == 0:
+            tl.store(row_scale_ptr + offs_n, tl.zeros([BLOCK_N], tl.float32) + tl.load(tensor_scale_ptr) * FP8_SHIFT,
+                     mask=offs_n < N)
+    else:
+        w = (w * tl.load(tensor_scale_ptr)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs_n[:, None] * K + (k0 + offs_k)[None, :], w, mask=(offs_n < N)[:, None])
 
 
@@ -442,27 +460,58 @@ def dequantize_bf16(w, dtype: torch.dtype = torch.bfloat16,
         raise ValueError(f"K={k} must be a multiple of 64")
     if out is None:
         out = torch.empty(n, k, device=w.packed.device, dtype=dtype)
+    _dequantize(w, out, out)
+    return out
+
+
+def dequantize_fp8(w, out: torch.Tensor | None = None,
+                   row_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight as FP8 rows, decoded on the device: (q [N, K] float8_e4m3fn, scale [N] fp32),
+    w ~= q * scale[:, None] (engine/formats/nvfp4.py `to_fp8`), into out / row_scale if given."""
+    n, k = w.shape
+    if k % 64:
+        raise ValueError(f"K={k} must be a multiple of 64")
+    device = w.packed.device
+    out = torch.empty(n, k, device=device, dtype=torch.float8_e4m3fn) if out is None else out
+    row_scale = torch.empty(n, device=device, dtype=torch.float32) if row_scale is None else row_scale
+    _dequantize(w, out, row_scale, fp8=True)
+    return out, row_scale
+
+
+def _dequantize(w, out, row_scale, fp8: bool = False) -> None:
+    n, k = w.shape
     block_n, block_k = 64, 256 if k % 256 == 0 else 128 if w.tiled else 64
     _dequantize_kernel[(triton.cdiv(n, block_n), k // block_k)](
-        w.packed, w.block_scale, w.tensor_scale, out, n, k,
-        BLOCK_N=block_n, BLOCK_K=block_k, INTERPRETER=interpreting(), TILED=w.tiled, num_warps=4)
-    return out
+        w.packed, w.block_scale, w.tensor_scale, out, row_scale, n, k,
+        BLOCK_N=block_n, BLOCK_K=block_k, INTERPRETER=interpreting(), TILED=w.tiled, FP8=fp8, num_warps=4)
 
 
 _SCRATCH: dict = {}
 
 
+def _scratch(device, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """One buffer per (device, dtype), grown to the largest request and reused: a decoded weight
+    lives only until its GEMM has read it (recompute instead of store), and a fresh [N, K]
+    allocation per GEMM (235 MB of bf16 for an 8B model's gate/up) made the caching allocator free
+    and re-reserve memory when the KV cache left little room. The engine runs its GEMMs on one
+    stream, so the next decode into the buffer waits for the last reader."""
+    buf = _SCRATCH.get((device, dtype))
+    if buf is None or buf.numel() < numel:
+        _SCRATCH.pop((device, dtype), None)
+        del buf  # the outgrown buffer goes back to the allocator before the larger one is taken
+        buf = _SCRATCH[(device, dtype)] = torch.empty(numel, device=device, dtype=dtype)
+    return buf[:numel]
+
+
 def dequantize_scratch(w) -> torch.Tensor:
-    """dequantize_bf16 into one bf16 buffer per device, grown to the largest weight and reused by
-    every large-M GEMM: the decoded weight lives only until cuBLAS has read it (recompute instead of
-    store), and a fresh [N, K] allocation per GEMM (235 MB for an 8B model's gate/up) made the
-    caching allocator free and re-reserve memory when the KV cache left little room. The engine
-    runs its GEMMs on one stream, so the next decode into the buffer waits for the last reader."""
+    """dequantize_bf16 into the device's reused bf16 buffer (`_scratch`)."""
+    n, k = w.shape
+    return dequantize_bf16(w, out=_scratch(w.packed.device, torch.bfloat16, n * k).view(n, k))
+
+
+def dequantize_fp8_scratch(w) -> tuple[torch.Tensor, torch.Tensor]:
+    """dequantize_fp8 into the device's reused FP8 and row-scale buffers (`_scratch`)."""
     n, k = w.shape
     device = w.packed.device
-    buf = _SCRATCH.get(device)
-    if buf is None or buf.numel() < n * k:
-        _SCRATCH.pop(device, None)
-        del buf  # the outgrown buffer goes back to the allocator before the larger one is taken
-        buf = _SCRATCH[device] = torch.empty(n * k, device=device, dtype=torch.bfloat16)
-    return dequantize_bf16(w, out=buf[:n * k].view(n, k))
+    return dequantize_fp8(w, _scratch(device, torch.float8_e4m3fn, n * k).view(n, k),
+                          _scratch(device, torch.float32, n))
