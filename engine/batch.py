@@ -93,26 +93,34 @@ def plan_batch(scheduled: list[ScheduledSeq], block_size: int, pending: dict | N
     prefills = [s for s in scheduled if s.num_tokens > 1]
     decodes = [s for s in scheduled if s.num_tokens == 1]
     bs = block_size
-    ids, pos, slots, offsets, ctx, logit_rows, sampled = [], [], [], [0], [], [], []
-    fill_rows, fill_src = [], []
+    # Rows as int64 arrays: one per prefill chunk (no Python object per token), then one for all the
+    # decode rows, built by scalar arithmetic (cheaper than any array set-up for a single token).
+    ids, pos, slots = [], [], []
+    dec_ids, dec_pos, dec_slots = [], [], []
+    offsets, ctx, logit_rows, sampled, fill_rows, fill_src = [0], [], [], [], [], []
     for item in prefills + decodes:
         seq, start, n = item.seq, item.start, item.num_tokens
-        ids += seq.tokens(start, start + n)
-        pos += range(start, start + n)
         table = seq.block_table
-        if n == 1:      # a decode row: scalar arithmetic beats any array set-up
-            slots.append(table[start // bs] * bs + start % bs)
-        else:           # a prefill chunk: no Python work per token
+        if n == 1:
+            dec_ids += seq.tokens(start, start + 1)
+            dec_pos.append(start)
+            dec_slots.append(table[start // bs] * bs + start % bs)
+        else:
             p = np.arange(start, start + n)
-            slots += (np.asarray(table)[p // bs] * bs + p % bs).tolist()
+            ids.append(np.asarray(seq.tokens(start, start + n), dtype=np.int64))
+            pos.append(p)
+            slots.append(np.asarray(table)[p // bs] * bs + p % bs)
         offsets.append(offsets[-1] + n)
         ctx.append(start + n)
+        last_row = offsets[-1] - 1
         if pending and seq in pending and start + n == len(seq):
-            fill_rows.append(len(ids) - 1)      # its last token is the one still on the device
+            fill_rows.append(last_row)      # its last token is the one still on the device
             fill_src.append(pending[seq])
         if item.samples:
-            logit_rows.append(len(ids) - 1)
+            logit_rows.append(last_row)
             sampled.append(item)
+    ids, pos, slots = (np.concatenate(parts + [np.asarray(dec, dtype=np.int64)])
+                       for parts, dec in ((ids, dec_ids), (pos, dec_pos), (slots, dec_slots)))
     np_ = len(prefills)
     width = max(len(s.seq.block_table) for s in scheduled)
     tables = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in prefills + decodes]

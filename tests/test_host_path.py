@@ -105,7 +105,7 @@ def test_the_layout_of_a_mixed_step():
     sched = [ScheduledSeq(decode, 4, 1), ScheduledSeq(fresh, 0, 6), ScheduledSeq(pending, 2, 1),
              ScheduledSeq(chunk, 4, 4)]
     plan = plan_batch(sched, bs, pending={pending: 5})
-    f = {k: v for k, (v, _) in plan.fields.items()}
+    f = {k: v.tolist() if hasattr(v, "tolist") else v for k, (v, _) in plan.fields.items()}    # arrays or lists
     assert (plan.num_prefills, plan.num_prefill_tokens, plan.num_decodes) == (2, 10, 2)
     assert plan.prefill_max_len == 6 and plan.prefill_max_prefix > 0
     assert f["input_ids"] == [1, 2, 3, 4, 5, 6, 24, 25, 26, 27, 42, PLACEHOLDER]
