@@ -489,15 +489,12 @@ def quality(args, device):
 @contextlib.contextmanager
 def nvfp4_fp8_path_on_cpu():
     """The CPU's NVFP4 GEMM computes what sm_90 with CuTe DSL does: W4A16 up to the decode kernels'
-    M, past it the weight decoded to FP8 and x quantised per token (nvfp4_fp8_linear_reference)."""
+    M; past it the weight decoded to FP8 (`to_fp8`) times x quantised per token, which the norm or
+    SwiGLU before writes (input_quant), as sm_90's kernel list says."""
     from engine.formats import nvfp4
-    from engine.kernels.select import Kernel, clear_cache
-
-    def run(x, w, config=None):
-        big = x.shape[0] > nvfp4.nvfp4_triton.MAX_M
-        return (nvfp4.nvfp4_fp8_linear_reference if big else nvfp4.nvfp4_linear_reference)(x, w, x.dtype)
+    from engine.kernels.select import clear_cache
     table = nvfp4.NVFP4_GEMM["other"]
-    nvfp4.NVFP4_GEMM["other"] = [Kernel("sm90_numerics_reference", run, needs_cuda=False)]
+    nvfp4.NVFP4_GEMM["other"] = nvfp4.sm90_reference_kernels()
     clear_cache()
     try:
         yield

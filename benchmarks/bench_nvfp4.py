@@ -39,7 +39,6 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 from benchmarks.timing import time_graph  # noqa: E402
 from engine.formats import nvfp4 as nv  # noqa: E402
 from engine.kernels.platform import cute_available  # noqa: E402
-from engine.kernels.select import Problem, select  # noqa: E402
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate+up, down of Llama-3.1-8B
 MS = [1, 16, 128, 1024, 8192]
@@ -156,11 +155,11 @@ def main():
                 rows.append((n, k, m, variant, t_us, nbytes, gbs, gbs / copy_gbs,
                              flops / t_us / 1e6, err))
 
-            choice = select(nv.NVFP4_GEMM, Problem("nvfp4_gemm", m, n, k, device, (x.dtype, qs[0].tiled)))
+            choice = nv.nvfp4_kernel(m, qs[0], device, x.dtype)
             # The FP8 path rounds the weight once more and quantises x: its own reference.
             ref_fp8 = nv.nvfp4_fp8_linear_reference(x, qs[0], torch.float32).double() if m > dec.MAX_M else None
             measure(f"nvfp4 selected ({choice.kernel.name})", lambda i: nv.nvfp4_linear(x, qs[i]), copies_q,
-                    w_q.nbytes, ref_fp8 if choice.kernel.name == "fp8_dequantize_wgmma" else ref)
+                    w_q.nbytes, ref_fp8 if choice.kernel.input_quant == "fp8" else ref)
             if m <= 16:
                 gluon_cfg = gdec.decode_config(m, n, k, sms)
                 measure("nvfp4 Gluon decode", lambda i: gdec.decode_matmul(x, qs[i], out, gluon_cfg),

@@ -172,7 +172,7 @@ def ffn_blocks(w):
         "2:4 bf16": lambda x: dn.sp.forward(sparse_swiglu(x)),
         "2:4 bf16, SwiGLU kernel": lambda x: dn.sp.forward(swiglu(gu.sp.forward(x))),
         "fp8 dense": lambda x: dn.fp8_dense(*swiglu(gu.fp8_dense(x), "fp8")),
-        "2:4+fp8": lambda x: feed(dn.sp8.forward, swiglu(gu.sp8.forward(x), dn.sp8.input_quant)),
+        "2:4+fp8": lambda x: feed(dn.sp8.forward, swiglu(gu.sp8.forward(x), dn.sp8.input_quant(x.shape[0]))),
     }
 
 

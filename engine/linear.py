@@ -70,9 +70,9 @@ class Linear(nn.Module):
             raise RuntimeError(f"the weight is stored as {self.backend.name}: use backend.dequantize()")
         return self.backend.weight
 
-    @property
-    def input_quant(self) -> str | None:
-        return self.backend.input_quant
+    def input_quant(self, m: int) -> str | None:
+        """How the backend wants M rows of activations: None (the model dtype) or "fp8"."""
+        return self.backend.input_quant(m)
 
     def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x: [..., K], or (x_fp8 [M, K], x_scale [M]) when the backend's input_quant is "fp8"."""

@@ -211,7 +211,8 @@ class LlamaMLP(nn.Module):
     def forward(self, x):
         # With an FP8 down_proj the SwiGLU product leaves the kernel as e4m3: it is never stored in
         # bf16. A 2:4 gate_up at decode computes it in the GEMM's epilogue (Linear.swiglu).
-        y = self.down_proj(self.gate_up_proj.swiglu(x, self.down_proj.input_quant))
+        m = (x[0] if isinstance(x, tuple) else x).shape[0]   # x: bf16 rows, or (e4m3, scale)
+        y = self.down_proj(self.gate_up_proj.swiglu(x, self.down_proj.input_quant(m)))
         return y if self.tp is None else self.tp.all_reduce(y)
 
 
@@ -230,7 +231,7 @@ class LlamaDecoderLayer(nn.Module):
         """The input norm and `LlamaAttention.project`: (q, k, v, new_kv, residual). qkv_out and
         residual_out: where the attention's inputs and the residual stream go (the step graphs'
         static buffers)."""
-        quant = self.self_attn.qkv_proj.input_quant
+        quant = self.self_attn.qkv_proj.input_quant(x.shape[0])
         if residual is None:
             residual = x if residual_out is None else residual_out.copy_(x)
             h = self.input_layernorm(x, quant=quant)
@@ -241,7 +242,7 @@ class LlamaDecoderLayer(nn.Module):
     def after_attention(self, o, residual):
         """o_proj, the post-attention norm and the MLP: (the MLP's output, residual)."""
         h, residual = self.post_attention_layernorm(self.self_attn.output(o), residual,
-                                                    self.mlp.gate_up_proj.input_quant)
+                                                    self.mlp.gate_up_proj.input_quant(o.shape[0]))
         return self.mlp(h), residual
 
     def forward(self, x, residual, positions, batch, inv_freq):

@@ -486,20 +486,22 @@ def test_engine_reads_each_steps_tokens_after_queuing_the_next():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("weights,bound", [("fp8", 0.06), ("nvfp4", 0.03)])
-def test_gpu_quantised_model_paths_match_their_reference(weights, bound, monkeypatch):
+@pytest.mark.parametrize("weights,prompt_len,bound", [("fp8", 40, 0.06), ("nvfp4", 40, 0.03), ("nvfp4", 200, 0.06)])
+def test_gpu_quantised_model_paths_match_their_reference(weights, prompt_len, bound, monkeypatch):
     """The whole model with FP8 / NVFP4 weights on the GPU kernels (fused norms quantising the
     activations, CuTe DSL / Triton GEMMs) against the same model with every quantised GEMM and every
     norm sent to its PyTorch reference: the same quantised math, so only rounding may differ (a
-    wiring mistake, such as a scale in the wrong layout, lands near 1). The step path's first token
-    agrees with the whole-prompt pass, and decode steps (CUDA graphs) give finite log-probabilities.
-    The FP8 bound is wider: e4m3 keeps 3 mantissa bits, so where the fused norm and the reference
+    wiring mistake, such as a scale in the wrong layout, lands near 1). NVFP4's reference is sm_90's
+    numerics (`sm90_reference_kernels`): a prompt of 200 tokens takes the FP8 path, its activations
+    quantised by the norms and the SwiGLU. The step path's first token agrees with the whole-prompt
+    pass, and decode steps (CUDA graphs) give finite log-probabilities. The bounds of e4m3
+    activations are wider: e4m3 keeps 3 mantissa bits, so where the fused norm and the reference
     round a bf16 input differently a code moves by up to 1/8, and such flips compound over the
-    layers (measured on an H200: 0.046 here, against 0.099 for the FP8 model against dense)."""
+    layers (measured on an H200 for fp8: 0.046 here, against 0.099 for the FP8 model against dense)."""
     from engine.formats import fp8, nvfp4
     from engine.kernels import select
     torch.manual_seed(0)
-    prompt = torch.randint(10, 1000, (40,)).tolist()
+    prompt = torch.randint(10, 1000, (prompt_len,)).tolist()
     gpu = LLM("llama-tiny", device="cuda", dtype="bf16", weights=weights, kv_cache_tokens=4096, seed=3)
     try:
         kernels = gpu.logits(prompt)
@@ -509,6 +511,7 @@ def test_gpu_quantised_model_paths_match_their_reference(weights, bound, monkeyp
         for table in (fp8.FP8_GEMM, nvfp4.NVFP4_GEMM):
             for arch in table:
                 monkeypatch.setitem(table, arch, [k for k in table[arch] if k.reference])
+        monkeypatch.setitem(nvfp4.NVFP4_GEMM, 9, nvfp4.sm90_reference_kernels())
         monkeypatch.setattr(select, "_CHOSEN", {})
         gpu.engine.model.set_fused_kernels(False)
         reference = gpu.logits(prompt)

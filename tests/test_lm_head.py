@@ -45,10 +45,8 @@ def reference_logits(model, hidden, w=None):
 
 
 def _fp8_path(backend, hidden) -> bool:
-    from engine.kernels.select import Problem, select
-    problem = Problem("nvfp4_gemm", hidden.shape[0], backend.out_features, backend.in_features, hidden.device,
-                      (hidden.dtype, backend.packed.dim() == 4))
-    return select(nvfp4.NVFP4_GEMM, problem).kernel.name == "fp8_dequantize_wgmma"
+    kernel = nvfp4.nvfp4_kernel(hidden.shape[0], backend.tensor, hidden.device, hidden.dtype).kernel
+    return kernel.input_quant == "fp8"
 
 
 def rel_err(a, b):
@@ -151,7 +149,7 @@ def test_head_shapes_select_kernels_on_hopper(n, k):
     a decode or scoring step runs, never the reference."""
     from engine.formats import fp8, nvfp4
     from engine.kernels import select
-    from engine.kernels.platform import cute_available, fake_capability
+    from engine.kernels.platform import fake_capability
     cuda, tiled = torch.device("cuda"), nvfp4.tileable(n, k)
     select.clear_cache()
     try:
@@ -162,8 +160,7 @@ def test_head_shapes_select_kernels_on_hopper(n, k):
                     ("triton_stream" if m <= 16 else "cute_wgmma_sm90")
                 problem = select.Problem("nvfp4_gemm", m, n, k, cuda, (torch.bfloat16, tiled))
                 assert select.select(nvfp4.NVFP4_GEMM, problem).kernel.name == \
-                    ("gluon_decode" if m <= 4 else "triton_decode" if m <= 128 else
-                     "fp8_dequantize_wgmma" if cute_available() and n % 64 == 0 else "dequantize_cublas")
+                    ("gluon_decode" if m <= 4 else "triton_decode" if m <= 128 else "fp8_dequantize_wgmma")
     finally:
         select.clear_cache()
 

@@ -159,8 +159,8 @@ def test_custom_op_matches_reference_and_passes_opcheck():
 def test_kernel_selection_per_architecture():
     # What nvfp4_linear runs, by architecture and M (engine/kernels/select.py), faked on the CPU:
     # sm_90: Gluon decode to M = 4, Triton decode to 128, then decode to FP8 + the CuTe DSL FP8 GEMM
-    # (decode + cuBLAS without CuTe DSL or where N % 64 != 0); sm_100: the CuTe DSL
-    # kernel on row-major storage where installed; fp32 activations or K % 64 only the reference.
+    # on e4m3 activations (the reference without CuTe DSL or where N % 64 != 0); sm_100: the CuTe
+    # DSL kernel on row-major storage where installed; fp32 activations or K % 64 only the reference.
     from engine.kernels.platform import cute_available, fake_capability
     from engine.kernels.select import Problem, clear_cache, select
 
@@ -170,11 +170,14 @@ def test_kernel_selection_per_architecture():
     clear_cache()
     try:
         with fake_capability((9, 0)):
-            large = "fp8_dequantize_wgmma" if cute_available() else "dequantize_cublas"
-            assert [pick(m) for m in (1, 3, 4, 5, 16, 64, 128, 129, 200, 2048)] == (
-                ["gluon_decode"] * 3 + ["triton_decode"] * 4 + [large] * 3)
-            if cute_available():   # the FP8 GEMM takes N % 64 == 0
-                assert pick(200, n=4000) == "dequantize_cublas"
+            if cute_available():
+                assert [pick(m) for m in (1, 3, 4, 5, 16, 64, 128, 129, 200, 2048)] == (
+                    ["gluon_decode"] * 3 + ["triton_decode"] * 4 + ["fp8_dequantize_wgmma"] * 3)
+                with pytest.warns(RuntimeWarning, match="needs N % 64 == 0"):
+                    assert pick(200, n=4000) == "reference"
+            else:
+                with pytest.warns(RuntimeWarning, match="nvidia-cutlass-dsl is not installed"):
+                    assert pick(200) == "reference"
             assert pick(1, k=576, tiled=False) == "gluon_decode"
             assert pick(1, k=576, tiled=True) == "triton_decode"  # Gluon reads tiles 128 K deep
             with pytest.warns(RuntimeWarning, match="reference"):
@@ -189,6 +192,66 @@ def test_kernel_selection_per_architecture():
             assert pick(2048, tiled=False) == ("cute_tcgen05_sm100" if cute_available() else "dequantize_cublas")
             assert pick(1, n=8192, **dict(table=nv.NVFP4_SWIGLU, op="nvfp4_swiglu")) == "separate"
         assert pick(1, device="cpu") == "reference" and pick(2048, device="cpu") == "reference"
+    finally:
+        clear_cache()
+
+
+def test_fp8_path_takes_e4m3_from_the_norm_and_the_swiglu(monkeypatch):
+    """Where the NVFP4 kernel for M multiplies e4m3 activations (sm_90 past 128 rows; here a kernel
+    list of two references on the CPU), the post-attention RMSNorm and the SwiGLU write them
+    quantised: the GEMM quantises only o_proj's input (the attention's output) itself. The layer's
+    output agrees with the one where every GEMM quantises its bf16 input itself, and both with
+    W4A16's, to what e4m3 rounding explains; at 128 rows and under, every GEMM takes bf16."""
+    from dataclasses import replace
+
+    from engine.kernels.select import clear_cache
+    from models.llama import LlamaDecoderLayer
+    from models.presets import LlamaConfig
+    calls, inside = [], []
+
+    def recorded(run):
+        def call(x, *args, **kwargs):
+            calls.append(x.dtype)
+            return run(x, *args, **kwargs)
+        return call
+    w4a16, fp8_path = (replace(k, run=recorded(k.run)) for k in nv.sm90_reference_kernels())
+    assert w4a16.max_m == 128 and fp8_path.input_quant == "fp8"
+    monkeypatch.setitem(nv.NVFP4_GEMM, "other", [w4a16, fp8_path])
+    quantize = nv.quantize_act_fp8
+    monkeypatch.setattr(nv, "quantize_act_fp8", lambda x: inside.append(tuple(x.shape)) or quantize(x))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=1, num_heads=2,
+                      num_kv_heads=1)
+    layer = LlamaDecoderLayer(cfg, 0, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.weight.uniform_(0.5, 1.5)
+        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            lin.weight.copy_(torch.randn(lin.weight.shape) * 0.05)
+            lin.convert("nvfp4")
+    clear_cache()
+    try:
+        for m in (200, 128):
+            o, residual = torch.randn(m, 128, dtype=torch.bfloat16), torch.randn(m, 128, dtype=torch.bfloat16)
+            calls.clear(), inside.clear()
+            y, _ = layer.after_attention(o, residual)
+            if m <= 128:
+                assert calls == [torch.bfloat16] * 3 and inside == []
+                continue
+            assert calls == [torch.float8_e4m3fn] * 3 and inside == [(m, 128)]
+            with monkeypatch.context() as patch:
+                patch.setattr(nv.Nvfp4Weight, "input_quant", lambda self, m: None)
+                y_inside, _ = layer.after_attention(o, residual)
+            assert inside == [(m, 128), (m, 128), (m, 128), (m, 256)]
+            with monkeypatch.context() as patch:    # W4A16 at every M: no activation rounded to e4m3
+                patch.setitem(nv.NVFP4_GEMM, "other", [replace(w4a16, max_m=None)])
+                clear_cache()
+                y_w4a16, _ = layer.after_attention(o, residual)
+            clear_cache()
+            # Two e4m3 roundings of the same activations differ by a step here and there; the FP8
+            # weights and activations move the layer's output ~6% from W4A16's on random weights.
+            assert rel_err(y, y_inside) < 0.05
+            assert rel_err(y, y_w4a16) < 0.1 and rel_err(y_inside, y_w4a16) < 0.1
     finally:
         clear_cache()
 
@@ -635,9 +698,9 @@ def test_gpu_decode_kernel_arithmetic_fallback(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_tail_n_and_dispatch():
-    # N not a multiple of any tile, M crossing the decode/GEMM boundary; through nvfp4_linear.
+    # N not a multiple of any tile, M crossing the decode/GEMM boundary (past it the FP8 GEMM takes
+    # no N % 64 != 0: the reference, with its warning); through nvfp4_linear.
     w = nv.quantize(torch.randn(1000, 4096, device="cuda"))
-    dq = nv.dequantize(w).double()
     for m in (1, 16, 33, 300):
         x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
         y = nv.nvfp4_linear(x, w)
@@ -645,7 +708,7 @@ def test_gpu_tail_n_and_dispatch():
         assert rel_err(y, expected(x, w)) < 5e-3
     # Large M decodes into reused scratch buffers: back-to-back GEMMs of a smaller, a larger (the
     # buffers grow) and a tiled weight, each against its own reference.
-    ws = [w, nv.quantize(torch.randn(3000, 4096, device="cuda")),
+    ws = [nv.quantize(torch.randn(1024, 4096, device="cuda")), nv.quantize(torch.randn(3072, 4096, device="cuda")),
           nv.to_tiles(nv.quantize(torch.randn(512, 4096, device="cuda")))]
     x = torch.randn(300, 4096, device="cuda", dtype=torch.bfloat16)
     ys = [nv.nvfp4_linear(x, wi) for wi in ws]
@@ -656,10 +719,8 @@ def test_gpu_tail_n_and_dispatch():
 def expected(x, w):
     """float64 reference of what nvfp4_linear computes for x: W4A16, or past the decode kernels'
     M the FP8 path's (where it is selected) -- itself within a few percent of W4A16."""
-    from engine.kernels.select import Problem, select
     exact = x.double() @ nv.dequantize(w).double().t()
-    problem = Problem("nvfp4_gemm", x.shape[0], *w.shape, x.device, (x.dtype, w.tiled))
-    if select(nv.NVFP4_GEMM, problem).kernel.name != "fp8_dequantize_wgmma":
+    if nv.nvfp4_kernel(x.shape[0], w, x.device, x.dtype).kernel.input_quant != "fp8":
         return exact
     fp8_path = nv.nvfp4_fp8_linear_reference(x, w, torch.float32).double()
     assert rel_err(fp8_path, exact) < 0.06

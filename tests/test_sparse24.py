@@ -213,7 +213,7 @@ def test_fp8_backend_takes_quantised_activations_without_torchao():
     # handed to it anyway is dequantised first.
     w = s24.prune_24(torch.randn(40, 96))
     f = s24.Sparse24Fp8Weight.from_dense(w)
-    assert f.input_quant is None
+    assert f.input_quant(5) is None
     qx, xs = quantize_rows_fp8(torch.randn(5, 96))
     x = (qx.float() * xs[:, None]).to(torch.float32)
     assert rel_err(f.forward(qx, x_scale=xs), fp64_ref(x, f.dequantize().float())) < 8e-3
@@ -403,14 +403,14 @@ def test_gpu_backends_all_paths(m, n, k):
         assert rel_err(f.forward(x), ref8) < 6e-2
         # Activations quantised upstream (the fused norm / SwiGLU kernels do it when input_quant
         # says so) give the same bits as quantising inside.
-        assert f.input_quant == "fp8"
+        assert f.input_quant(m) == "fp8"
         qx, xs = quantize_act_fp8(x)
         assert torch.equal(f.forward(qx, x_scale=xs), f.forward(x))
         h, hs = rms_norm(x, torch.ones(k, device="cuda", dtype=torch.bfloat16), 1e-5, quant="fp8")
         ref_h = fp64_ref(rms_norm(x, torch.ones(k, device="cuda", dtype=torch.bfloat16), 1e-5), f.dequantize().float())
         assert rel_err(f.forward(h, x_scale=hs), ref_h) < 6e-2
     else:
-        assert f.input_quant is None
+        assert f.input_quant(m) is None
 
 
 @pytest.mark.gpu

@@ -14,9 +14,6 @@ from torch import nn
 
 class WeightFormat(nn.Module):
     name = "?"
-    # "fp8": forward also takes x already quantised (float8_e4m3fn, with x_scale per row), so the
-    # kernel before it (RMSNorm, SwiGLU) can write 1 byte per element instead of a bf16 activation.
-    input_quant: str | None = None
 
     def __init__(self, out_features: int, in_features: int):
         super().__init__()
@@ -29,8 +26,14 @@ class WeightFormat(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor, x_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K] -> [M, N]; x_scale only with input_quant (x then float8_e4m3fn)."""
+        """x [M, K] -> [M, N]; x_scale only where input_quant(M) says "fp8" (x then float8_e4m3fn)."""
         raise NotImplementedError
+
+    def input_quant(self, m: int) -> str | None:
+        """"fp8" where the kernel for M activation rows multiplies them as e4m3 with a per-row
+        scale: forward then takes them so, and the kernel before it (RMSNorm, SwiGLU) writes 1 byte
+        per element instead of a bf16 activation. None: the model dtype."""
+        return None
 
     def dequantize(self) -> torch.Tensor:
         """The dense weight this backend computes with (for tests and quality reports)."""

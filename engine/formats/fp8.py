@@ -4,7 +4,7 @@ Format: weights per output channel and activations per token, each row scaled by
 its largest magnitude lands on e4m3's largest finite value (448); an all-zero row gets scale 1;
 fp32 scales; fp32 accumulation; bf16 output.
     y[m, n] = sum_k qx[m, k] qw[n, k] * x_scale[m] * w_scale[n] (+ residual[m, n])
-Activations arrive quantised from the fused RMSNorm / SwiGLU kernels (input_quant = "fp8"), or are
+Activations arrive quantised from the fused RMSNorm / SwiGLU kernels (`input_quant`), or are
 quantised here in one pass.
 
 The FP8 GEMM, per architecture (engine/kernels/select.py):
@@ -125,7 +125,9 @@ def fp8_linear(x: torch.Tensor, qw: torch.Tensor, w_scale: torch.Tensor,
 class Fp8Weight(WeightFormat):
     """`--weights fp8`: e4m3 weight [N, K] with a per-output-channel fp32 scale [N]."""
     name = "fp8"
-    input_quant = "fp8"
+
+    def input_quant(self, m: int) -> str | None:
+        return "fp8"
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
         super().__init__(*qweight.shape)

@@ -24,11 +24,12 @@ The NVFP4 GEMM, per architecture (engine/kernels/select.py):
   operand in registers), M <= 128 the Triton decode kernel (engine/kernels/nvfp4_triton.py, WGMMA
   with x from shared memory); both W4A16, the weight decoded in registers to bf16 (exact). Larger M
   is compute-bound: the weight is decoded once per call into a reused buffer as FP8 rows
-  (`to_fp8`: one more rounding of each weight, to e4m3's 4 significant bits), the activations are
-  quantised per token, and the CuTe DSL FP8 GEMM runs (W8A8 on tensor cores twice as fast as
-  bf16's; `nvfp4_fp8_linear_reference`); without CuTe DSL, decoded to bf16 for cuBLAS (exact).
+  (`to_fp8`: one more rounding of each weight, to e4m3's 4 significant bits) and the CuTe DSL FP8
+  GEMM runs (W8A8 on tensor cores twice as fast as bf16's; `nvfp4_fp8_linear_reference`). Its
+  activations are e4m3 per token: the RMSNorm or SwiGLU before the GEMM writes them so
+  (`input_quant`), as for `--weights fp8`. Without CuTe DSL (or N % 64 != 0), the reference.
 - sm_100: the CuTe DSL tcgen05 block-scaled kernel (W4A4: activations quantised to NVFP4 per call;
-  N % 128 == 0, K % 256 == 0), else as on sm_90 without the Gluon kernel.
+  N % 128 == 0, K % 256 == 0), else the Triton decode kernel, else decode to bf16 + cuBLAS (exact).
 - anything else: the Triton decode kernel, decode + cuBLAS, or the reference.
 The fused gate/up projection's SwiGLU runs in the Gluon kernel's epilogue where it is selected.
 """
@@ -40,10 +41,10 @@ import torch
 import torch.nn.functional as F
 
 from engine.formats.base import WeightFormat
-from engine.formats.fp8 import fp8_linear, fp8_linear_reference, quantize_rows_fp8
+from engine.formats.fp8 import fp8_linear, fp8_linear_reference, quantize_act_fp8, quantize_rows_fp8
 from engine.kernels import nvfp4_triton
 from engine.kernels.platform import capability, cute_available
-from engine.kernels.select import Kernel, Problem, select
+from engine.kernels.select import Choice, Kernel, Problem, select
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -205,6 +206,19 @@ def nvfp4_fp8_linear_reference(x: torch.Tensor, w: Nvfp4Tensor,
     return fp8_linear_reference(*quantize_rows_fp8(x), *to_fp8(w), out_dtype=out_dtype)
 
 
+def sm90_reference_kernels() -> list[Kernel]:
+    """sm_90's NVFP4 numerics in PyTorch, as a kernel list for any device: W4A16 up to the decode
+    kernels' M, past it the FP8 path's (`to_fp8` weights times e4m3 activations, which the norm or
+    SwiGLU before writes). What bench.py's quality emulation and the GPU tests' references run."""
+    def w4a16(x, w, config=None):
+        return nvfp4_linear_reference(x, w, x.dtype)
+
+    def w8a8(qx, x_scale, w, out_dtype, config=None):
+        return fp8_linear_reference(qx, x_scale, *to_fp8(w), out_dtype=out_dtype)
+    return [Kernel("sm90_w4a16_reference", w4a16, max_m=nvfp4_triton.MAX_M, needs_cuda=False),
+            Kernel("sm90_fp8_path_reference", w8a8, needs_cuda=False, input_quant="fp8")]
+
+
 # ------------------------------------------------------------------------------------ kernels
 def _decodable(p: Problem) -> str | None:
     """What the Triton and Gluon kernels read: K % 64 == 0, bf16 / fp16 activations."""
@@ -235,8 +249,8 @@ def _dequant_cublas(x, w, config=None):
     return F.linear(x.to(torch.bfloat16), nvfp4_triton.dequantize_scratch(w)).to(x.dtype)
 
 
-def _fp8_dequant_wgmma(x, w, config=None):
-    return fp8_linear(x, *nvfp4_triton.dequantize_fp8_scratch(w), out_dtype=x.dtype)
+def _fp8_dequant_wgmma(qx, x_scale, w, out_dtype, config=None):
+    return fp8_linear(qx, *nvfp4_triton.dequantize_fp8_scratch(w), out_dtype=out_dtype, x_scale=x_scale)
 
 
 def _fp8_dequant_fits(p: Problem) -> str | None:
@@ -265,12 +279,15 @@ def _reference(x, w, config=None):
     return nvfp4_linear_reference(x, w, x.dtype)
 
 
+# A kernel with input_quant="fp8" is called as run(qx, x_scale, w, out_dtype, config=); the others
+# as run(x, w, config=).
 TRITON_DECODE = Kernel("triton_decode", _triton_decode, max_m=nvfp4_triton.MAX_M, check=_decodable)
 DEQUANT_CUBLAS = Kernel("dequantize_cublas", _dequant_cublas, check=_decodable)
 REFERENCE = Kernel("reference", _reference, reference=True)
 NVFP4_GEMM = {
     9: [Kernel("gluon_decode", _gluon_decode, max_m=4, check=_gluon_decodable), TRITON_DECODE,
-        Kernel("fp8_dequantize_wgmma", _fp8_dequant_wgmma, check=_fp8_dequant_fits), DEQUANT_CUBLAS, REFERENCE],
+        Kernel("fp8_dequantize_wgmma", _fp8_dequant_wgmma, check=_fp8_dequant_fits, input_quant="fp8"),
+        REFERENCE],
     10: [Kernel("cute_tcgen05_sm100", _tcgen05, check=_tcgen05_fits), TRITON_DECODE, DEQUANT_CUBLAS, REFERENCE],
     "other": [TRITON_DECODE, DEQUANT_CUBLAS, REFERENCE],
 }
@@ -293,11 +310,30 @@ NVFP4_SWIGLU = {9: [Kernel("gluon_decode_swiglu", _gluon_swiglu, max_m=4, check=
                 "other": [SEPARATE]}
 
 
-def nvfp4_linear(x: torch.Tensor, w: Nvfp4Tensor) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ W^T for an NVFP4 W, fp32 accumulation, in x's dtype."""
-    problem = Problem("nvfp4_gemm", x.shape[0], w.shape[0], w.shape[1], x.device, (x.dtype, w.tiled))
-    choice = select(NVFP4_GEMM, problem)
-    return choice.kernel.run(x.contiguous(), w, config=choice.config)
+def nvfp4_kernel(m: int, w: Nvfp4Tensor, device: torch.device, dtype: torch.dtype) -> Choice:
+    """The kernel (and config) that multiplies M activation rows of model dtype `dtype` by w."""
+    return select(NVFP4_GEMM, Problem("nvfp4_gemm", m, w.shape[0], w.shape[1], device, (dtype, w.tiled)))
+
+
+def nvfp4_linear(x: torch.Tensor, w: Nvfp4Tensor, x_scale: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W^T for an NVFP4 W, fp32 accumulation, in x's dtype (out_dtype).
+
+    x: bf16 / fp16 / fp32, or, where the kernel chosen for M takes FP8 activations (its
+    input_quant), already e4m3 with its per-token fp32 x_scale; out_dtype is then the model's."""
+    if x_scale is None:
+        out_dtype = x.dtype
+    elif out_dtype is None:
+        raise ValueError("out_dtype: an fp8 activation needs the model dtype to write")
+    choice = nvfp4_kernel(x.shape[0], w, x.device, out_dtype)
+    kernel = choice.kernel
+    if kernel.input_quant == "fp8":
+        qx, xs = quantize_act_fp8(x) if x_scale is None else (x, x_scale.reshape(-1).float())
+        return kernel.run(qx, xs, w, out_dtype, config=choice.config)
+    if x_scale is not None:
+        raise ValueError(f"x_scale: {kernel.name}, the NVFP4 kernel for M={x.shape[0]}, takes "
+                         f"{out_dtype} activations, not fp8 (ask input_quant(m) first)")
+    return kernel.run(x.contiguous(), w, config=choice.config)
 
 
 @torch.library.custom_op("microengine::nvfp4_linear", mutates_args=())
@@ -347,10 +383,17 @@ class Nvfp4Weight(WeightFormat):
         return Nvfp4Tensor(self.packed, self.block_scale, self.tensor_scale,
                            (self.out_features, self.in_features), self.blocked_scale)
 
-    def forward(self, x: torch.Tensor, x_scale=None) -> torch.Tensor:
+    def input_quant(self, m: int) -> str | None:
+        """"fp8" where the kernel for M rows multiplies e4m3 activations (sm_90 past the decode
+        kernels' M): the norm or SwiGLU before then writes them quantised."""
+        if torch.compiler.is_compiling():   # the custom op below takes the model dtype
+            return None
+        return nvfp4_kernel(m, self.tensor, self.packed.device, self.dtype).kernel.input_quant
+
+    def forward(self, x: torch.Tensor, x_scale: torch.Tensor | None = None) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return nvfp4_linear_op(x, self.packed, self.block_scale, self.tensor_scale)
-        return nvfp4_linear(x, self.tensor)
+        return nvfp4_linear(x, self.tensor, x_scale, self.dtype)
 
     def swiglu_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         kernel = select(NVFP4_SWIGLU, self._problem("nvfp4_swiglu", x.shape[0], x.dtype)).kernel
@@ -364,7 +407,7 @@ class Nvfp4Weight(WeightFormat):
         """Nothing to time (one configuration per kernel): the choices for each M are made, and
         logged, now rather than in the first step that meets them."""
         for m in m_values:
-            select(NVFP4_GEMM, self._problem("nvfp4_gemm", m, self.dtype))
+            nvfp4_kernel(m, self.tensor, self.packed.device, self.dtype)
             if swiglu:
                 select(NVFP4_SWIGLU, self._problem("nvfp4_swiglu", m, self.dtype))
 

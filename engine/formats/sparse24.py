@@ -273,7 +273,7 @@ class _Sparse24Base(WeightFormat):
             problem = self._problem(self.op, x)
             # Timed on the activations the model hands over: e4m3 with per-token scales where the
             # norm / SwiGLU before quantises for this weight (a bf16 kernel then pays the widening).
-            xq, xs = quantize_act_fp8(x) if self.input_quant == "fp8" else (x, None)
+            xq, xs = quantize_act_fp8(x) if self.input_quant(m) == "fp8" else (x, None)
             pick = tuner.best(problem, lambda: [(k.name, c, lambda k=k, c=c: k.run(xq, self, config=c, x_scale=xs))
                                                 for k, c in self._candidates(problem, x)])
             if pick is not None:
@@ -383,8 +383,7 @@ class Sparse24Fp8Weight(_Sparse24Base):
         t, rows = self._shard_tensor(shard)
         return Sparse24Fp8Weight(t, self.scale[rows], self.dtype)
 
-    @property
-    def input_quant(self) -> str | None:
+    def input_quant(self, m: int) -> str | None:
         """"fp8" where torchao's kernel takes the weight: the fused RMSNorm / SwiGLU kernels then hand
         over e4m3 activations with per-token scales. The Triton kernel takes bf16 activations."""
         return "fp8" if self.packed is not None else None

@@ -32,9 +32,7 @@ read unquantised. The references dequantise in fp32.
 """
 from __future__ import annotations
 
-
 import torch
-import torch.nn.functional as F
 
 from engine.kernels.norms import e4m3_scale, quantize_e4m3
 from engine.kernels.platform import capability, interpreting, jit, output_buffer, sm_count, triton_runs

@@ -31,7 +31,8 @@ def _triton_kernels():
     import triton.language as tl
 
     # Module globals, not locals: Triton (its interpreter too) looks a kernel's callees up there.
-    global split_k_arrive, split_k_take
+    global e4m3_scale, split_k_arrive, split_k_take
+    from engine.kernels.norms import e4m3_scale
     from engine.kernels.split_k import split_k_arrive, split_k_take
 
     @triton.jit
@@ -43,8 +44,7 @@ def _triton_kernels():
             offs = k0 + tl.arange(0, BLOCK_K)
             v = tl.load(x_ptr + row * K + offs, mask=offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(v))
-        row_amax = tl.max(amax, axis=0)
-        scale = tl.where(row_amax > 0, row_amax / 448.0, 1.0)
+        scale = e4m3_scale(tl.max(amax, axis=0))
         tl.store(scale_ptr + row, scale)
         for k0 in range(0, K, BLOCK_K):
             offs = k0 + tl.arange(0, BLOCK_K)

@@ -48,7 +48,9 @@ class Kernel:
     max_m: the largest M it takes. check(problem): None, or why these operands do not fit.
     configs(problem): its launch configurations, the default first (None: one, `None`).
     run: the op's call, plus `config=`. reference: the PyTorch reference (runs anywhere, warns
-    on CUDA); needs_cuda: False for portable calls (torch's own GEMM)."""
+    on CUDA); needs_cuda: False for portable calls (torch's own GEMM). input_quant: the form of
+    the activations it multiplies, None (the model dtype) or "fp8" (e4m3 with a per-token scale),
+    so that the norm or SwiGLU before the GEMM can write them in that form (WeightFormat)."""
     name: str
     run: Callable
     max_m: int | None = None
@@ -56,6 +58,7 @@ class Kernel:
     configs: Callable[[Problem], list] | None = None
     reference: bool = False
     needs_cuda: bool = True
+    input_quant: str | None = None
 
     def why_not(self, problem: Problem, cap: tuple[int, int] | None) -> str | None:
         if cap is None and self.needs_cuda and not self.reference:
