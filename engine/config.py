@@ -81,6 +81,10 @@ class EngineConfig:
     # starts the other ranks itself, or joins those torchrun started (engine/parallel.py).
     tensor_parallel_size: int = 1
 
+    @property
+    def kv_cache_fp8(self) -> bool:
+        return self.kv_cache_dtype == "fp8"
+
     def __post_init__(self):
         if self.tokenizer is None:
             self.tokenizer = os.environ.get("MICROENGINE_TOKENIZER")

@@ -222,7 +222,7 @@ class Engine:
         if self.tp is not None:     # rank 0 schedules for all: every rank must hold its blocks
             num_blocks = self.tp.agree_min(num_blocks)
         self.kv_cache = KVCache(cfg.num_layers, num_blocks, config.block_size, self.model.num_local_kv_heads,
-                                cfg.head_dim, self.dtype, self.device, fp8=config.kv_cache_dtype == "fp8")
+                                cfg.head_dim, self.dtype, self.device, fp8=config.kv_cache_fp8)
         self.scheduler = Scheduler(self.kv_cache.pool, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.enable_prefix_caching)
         self.sampler = Sampler(self.device, config.seed)
@@ -308,7 +308,7 @@ class Engine:
         """Bytes a token's K and V take in this engine's cache (this rank's KV heads), scales included."""
         cfg = self.model_config
         return KVCache.bytes_per_token(cfg.num_layers, self.model.num_local_kv_heads, cfg.head_dim, self.dtype,
-                                       fp8=self.config.kv_cache_dtype == "fp8")
+                                       fp8=self.config.kv_cache_fp8)
 
     def _activation_reserve(self) -> int:
         """Room for the largest step's activations (the gate/up output dominates, kept twice over for
