@@ -148,13 +148,58 @@ def _weight_offsets(rows, cols, k0, K: tl.constexpr, PER_K: tl.constexpr, TILED:
 # 5 significant bits, e4m3 keeps 4) and its subnormals (products under 1/8).
 FP8_SHIFT = tl.constexpr(8.0)
 
+# Four packed bytes (8 codes; $2) and each byte's block scale / FP8_SHIFT in f16 ($3: bytes 0-1,
+# $4: bytes 2-3) -> 8 e4m3 codes in K order, a byte's two codes per 16 bits ($0: bytes 0-1, $1:
+# bytes 2-3). `prmt` looks the magnitudes' f16 high bytes up (0 0.5 1 1.5 2 3 4 6: 00 38 3C 3E 40
+# 42 44 46; every low byte is 0) and places a byte's two codes as an f16x2 (even K low); the signs
+# come in as in _E2M1_TO_BF16_PTX; the f16 product is exact (<= 5 significant bits, >= 2^-13) and
+# `cvt` rounds it to e4m3 as torch does, so the codes equal `to_fp8`'s.
+_E2M1_TO_E4M3_PTX = tl.constexpr("""
+{
+.reg .b32 lo, hi, sel, mag0, mag1, shifted, sgn, h0, h1, h2, h3, s0, s1, s2, s3;
+.reg .b16 q0, q1, q2, q3;
+mov.b32 lo, 0x3E3C3800;
+mov.b32 hi, 0x46444240;
+and.b32 sel, $2, 0x77777777;
+prmt.b32 mag0, lo, hi, sel;
+shr.b32 sel, sel, 16;
+prmt.b32 mag1, lo, hi, sel;
+shl.b32 shifted, $2, 4;
+prmt.b32 h0, mag0, 0, 0x1404;
+prmt.b32 sgn, shifted, $2, 0xC080;
+lop3.b32 h0, h0, sgn, 0x80008000, 0xF8;
+prmt.b32 h1, mag0, 0, 0x3424;
+prmt.b32 sgn, shifted, $2, 0xD090;
+lop3.b32 h1, h1, sgn, 0x80008000, 0xF8;
+prmt.b32 h2, mag1, 0, 0x1404;
+prmt.b32 sgn, shifted, $2, 0xE0A0;
+lop3.b32 h2, h2, sgn, 0x80008000, 0xF8;
+prmt.b32 h3, mag1, 0, 0x3424;
+prmt.b32 sgn, shifted, $2, 0xF0B0;
+lop3.b32 h3, h3, sgn, 0x80008000, 0xF8;
+prmt.b32 s0, $3, 0, 0x1010;
+prmt.b32 s1, $3, 0, 0x3232;
+prmt.b32 s2, $4, 0, 0x1010;
+prmt.b32 s3, $4, 0, 0x3232;
+mul.rn.f16x2 h0, h0, s0;
+mul.rn.f16x2 h1, h1, s1;
+mul.rn.f16x2 h2, h2, s2;
+mul.rn.f16x2 h3, h3, s3;
+cvt.rn.satfinite.e4m3x2.f16x2 q0, h0;
+cvt.rn.satfinite.e4m3x2.f16x2 q1, h1;
+cvt.rn.satfinite.e4m3x2.f16x2 q2, h2;
+cvt.rn.satfinite.e4m3x2.f16x2 q3, h3;
+mov.b32 $0, {q0, q1};
+mov.b32 $1, {q2, q3};
+}
+""")
+
 
 @triton.jit
-def _dequantize_kernel(packed_ptr, scale_ptr, tensor_scale_ptr, out_ptr, row_scale_ptr, N, K: tl.constexpr,
+def _dequantize_kernel(packed_ptr, scale_ptr, tensor_scale_ptr, out_ptr, N, K: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETER: tl.constexpr,
-                       TILED: tl.constexpr, FP8: tl.constexpr):
-    """out = the decoded weight, row-major; FP8: e4m3(e2m1 * block_scale / FP8_SHIFT) and
-    row_scale[n] = tensor_scale * FP8_SHIFT (`dequantize_fp8`), else e2m1 * block_scale * tensor_scale."""
+                       TILED: tl.constexpr):
+    """out = e2m1 * block_scale * tensor_scale, row-major, in out's dtype (`dequantize_bf16`)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     offs_kh = tl.arange(0, BLOCK_K // 2)
@@ -165,14 +210,41 @@ def _dequantize_kernel(packed_ptr, scale_ptr, tensor_scale_ptr, out_ptr, row_sca
     even, odd = _decode_tile(packed_ptrs, scale_ptrs, (offs_n < N)[:, None], BLOCK_N, BLOCK_K,
                              INTERPRETER)
     w = tl.join(even, odd).reshape(BLOCK_N, BLOCK_K).to(tl.float32)
-    if FP8:
-        w = quantize_e4m3(w, FP8_SHIFT, ROUND_IN_FP32=INTERPRETER)
-        if tl.program_id(1) == 0:
-            tl.store(row_scale_ptr + offs_n, tl.zeros([BLOCK_N], tl.float32) + tl.load(tensor_scale_ptr) * FP8_SHIFT,
-                     mask=offs_n < N)
-    else:
-        w = (w * tl.load(tensor_scale_ptr)).to(out_ptr.dtype.element_ty)
+    w = (w * tl.load(tensor_scale_ptr)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs_n[:, None] * K + (k0 + offs_k)[None, :], w, mask=(offs_n < N)[:, None])
+
+
+@triton.jit
+def _dequantize_fp8_kernel(packed_ptr, scale_ptr, tensor_scale_ptr, pairs_ptr, row_scale_ptr, N,
+                           K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           INTERPRETER: tl.constexpr, TILED: tl.constexpr):
+    """The FP8 rows of `dequantize_fp8`: e4m3(e2m1 * block_scale / FP8_SHIFT) written as uint16
+    pairs [N, K/2] (a packed byte's two codes, even K in the low byte: the row-major e4m3 [N, K]
+    itself, with no interleaving of even and odd K in registers), and row_scale[n] = tensor_scale *
+    FP8_SHIFT."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    offs_kh = tl.arange(0, BLOCK_K // 2)
+    rows = (offs_n < N)[:, None]
+    packed_ptrs = packed_ptr + _weight_offsets(offs_n, offs_kh, k0, K, 64, TILED)
+    scale_ptrs = scale_ptr + _weight_offsets(offs_n, tl.arange(0, BLOCK_K // 16), k0, K, 8, TILED)
+    if INTERPRETER:
+        even, odd = _decode_tile(packed_ptrs, scale_ptrs, rows, BLOCK_N, BLOCK_K, INTERPRETER)
+        even = quantize_e4m3(even, FP8_SHIFT, ROUND_IN_FP32=True).to(tl.uint8, bitcast=True)
+        odd = quantize_e4m3(odd, FP8_SHIFT, ROUND_IN_FP32=True).to(tl.uint8, bitcast=True)
+        pairs = even.to(tl.uint16) | (odd.to(tl.uint16) << 8)
+    else:
+        packed = tl.load(packed_ptrs, mask=rows, other=0)
+        scale = tl.load(scale_ptrs, mask=rows, other=0.0).to(tl.float32)
+        scale = (scale * (1.0 / FP8_SHIFT)).to(tl.float16)    # exact: e4m3 / 8 >= 2^-12
+        # each packed byte's own scale (8 bytes share one)
+        scale = tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // 16, 8)).reshape(BLOCK_N, BLOCK_K // 2)
+        pairs = tl.inline_asm_elementwise(_E2M1_TO_E4M3_PTX, "=r,=r,r,r,r", [packed, scale],
+                                          dtype=tl.uint16, is_pure=True, pack=4)
+    tl.store(pairs_ptr + offs_n[:, None] * (K // 2) + (k0 // 2 + offs_kh)[None, :], pairs, mask=rows)
+    if tl.program_id(1) == 0:
+        tl.store(row_scale_ptr + offs_n, tl.zeros([BLOCK_N], tl.float32) + tl.load(tensor_scale_ptr) * FP8_SHIFT,
+                 mask=offs_n < N)
 
 
 # ------------------------------------------------------------------------------ decode, M <= 64
@@ -460,7 +532,11 @@ def dequantize_bf16(w, dtype: torch.dtype = torch.bfloat16,
         raise ValueError(f"K={k} must be a multiple of 64")
     if out is None:
         out = torch.empty(n, k, device=w.packed.device, dtype=dtype)
-    _dequantize(w, out, out)
+    n, k = w.shape
+    block_n, block_k = 64, _block_k(w)
+    _dequantize_kernel[(triton.cdiv(n, block_n), k // block_k)](
+        w.packed, w.block_scale, w.tensor_scale, out, n, k, BLOCK_N=block_n, BLOCK_K=block_k,
+        INTERPRETER=interpreting(), TILED=w.tiled, num_warps=4)
     return out
 
 
@@ -474,16 +550,17 @@ def dequantize_fp8(w, out: torch.Tensor | None = None,
     device = w.packed.device
     out = torch.empty(n, k, device=device, dtype=torch.float8_e4m3fn) if out is None else out
     row_scale = torch.empty(n, device=device, dtype=torch.float32) if row_scale is None else row_scale
-    _dequantize(w, out, row_scale, fp8=True)
+    block_n, block_k = 32, _block_k(w)
+    _dequantize_fp8_kernel[(triton.cdiv(n, block_n), k // block_k)](
+        w.packed, w.block_scale, w.tensor_scale, out.view(torch.uint16), row_scale, n, k,
+        BLOCK_N=block_n, BLOCK_K=block_k, INTERPRETER=interpreting(), TILED=w.tiled, num_warps=4)
     return out, row_scale
 
 
-def _dequantize(w, out, row_scale, fp8: bool = False) -> None:
-    n, k = w.shape
-    block_n, block_k = 64, 256 if k % 256 == 0 else 128 if w.tiled else 64
-    _dequantize_kernel[(triton.cdiv(n, block_n), k // block_k)](
-        w.packed, w.block_scale, w.tensor_scale, out, row_scale, n, k,
-        BLOCK_N=block_n, BLOCK_K=block_k, INTERPRETER=interpreting(), TILED=w.tiled, FP8=fp8, num_warps=4)
+def _block_k(w) -> int:
+    """K per program of the dequantise kernels: 256 where it divides K, else what the storage
+    allows (tiles are 128 deep)."""
+    return 256 if w.shape[1] % 256 == 0 else 128 if w.tiled else 64
 
 
 _SCRATCH: dict = {}
