@@ -280,11 +280,11 @@ def test_triton_decode_kernel_small(m, n, k, config):
     # The decode kernel's logical K order and split-K reduction, through the interpreter's
     # arithmetic decode (the PTX decode is checked against that decode below, and on the GPU).
     from engine.kernels.nvfp4_triton import decode_gemm
-    w = nv.quantize(torch.randn(n, k) * torch.rand(n, 1))
+    w = nv.quantize(torch.randn(n, k, device=DEVICE) * torch.rand(n, 1, device=DEVICE))
     ref = None
     for _ in range(2):  # twice: the split-K accumulator and counters must be back at zero
-        x = torch.randn(m, k).bfloat16()
-        out = torch.full((m, n), float("nan"))
+        x = torch.randn(m, k, device=DEVICE).bfloat16()
+        out = torch.full((m, n), float("nan"), device=DEVICE)
         decode_gemm(x, w, out, config)
         ref = x.double() @ nv.dequantize(w).double().t()
         assert not out.isnan().any()
@@ -455,18 +455,19 @@ def test_triton_kernels_read_tiled_storage():
     for m, n, k, config in [(1, 64, 256, None), (5, 96, 512, None), (33, 80, 256, None),
                             (3, 64, 1024, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, WPT=2, SPLIT_K=4,
                                                num_warps=4, num_stages=1))]:
-        w = nv.quantize(torch.randn(n, k) * torch.rand(n, 1))
+        w = nv.quantize(torch.randn(n, k, device=DEVICE) * torch.rand(n, 1, device=DEVICE))
         t = nv.to_tiles(w)
         for _ in range(2):
-            x = torch.randn(m, k).bfloat16()
-            out = torch.full((m, n), float("nan"))
+            x = torch.randn(m, k, device=DEVICE).bfloat16()
+            out = torch.full((m, n), float("nan"), device=DEVICE)
             dec.decode_gemm(x, t, out, config)
             assert not out.isnan().any()
             assert rel_err(out, x.double() @ nv.dequantize(w).double().t()) < 1e-5, (m, n, k)
         torch.testing.assert_close(dec.dequantize_bf16(t, torch.float32), nv.dequantize(w), rtol=1e-6, atol=0)
     with pytest.raises(ValueError, match="multiple of 128"):
-        dec.decode_gemm(torch.randn(2, 256).bfloat16(), nv.to_tiles(nv.quantize(torch.randn(32, 256))),
-                        torch.empty(2, 32), dec.small_m_config(2, 32, 256, 4, block_n=32, block_k=64))
+        dec.decode_gemm(torch.randn(2, 256, device=DEVICE).bfloat16(),
+                        nv.to_tiles(nv.quantize(torch.randn(32, 256, device=DEVICE))),
+                        torch.empty(2, 32, device=DEVICE), dec.small_m_config(2, 32, 256, 4, block_n=32, block_k=64))
 
 
 @pytest.mark.interpreter
