@@ -22,7 +22,8 @@ still feeds the tensor cores and the CUDA cores only decode e2m1, 17 instruction
 
 `dequantize_bf16(w)` decodes the whole weight (`_decode_tile`, `prmt` table lookups);
 `dequantize_fp8(w)` decodes it to FP8 rows instead (e4m3 codes, one fp32 scale per row; lossy by
-e4m3's rounding, `FP8_SHIFT`), for the FP8 GEMM. At large M, where decoding once and a tensor-core
+e4m3's rounding, `FP8_SHIFT`), for the FP8 GEMM: `_E2M1_TO_E4M3_PTX` turns each packed byte into its
+two e4m3 codes in K order, so the kernel stores what it loaded, twice as wide, with no shuffle. At large M, where decoding once and a tensor-core
 GEMM beat decoding per tile, `dequantize_scratch` / `dequantize_fp8_scratch` decode into one
 reused buffer per device.
 
