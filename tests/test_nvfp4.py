@@ -297,15 +297,31 @@ def _bf16_bits_to_float(bits: int) -> float:
 
 
 def _run_decode_ptx(ptx: str, operands: dict) -> dict:
-    """Execute the decoders' PTX in Python: and, mul.lo, shr, shl, mov, cvt.u32.u16, prmt (default
-    mode) and mul.rn.bf16x2, whose products are computed exactly (they are exact on the GPU:
-    <= 6 significant bits; bf16 subnormals included)."""
+    """Execute the decoders' PTX in Python: and, mul.lo, shr, shl, mov (of a register or of a pair
+    of 16-bit halves), cvt.u32.u16, prmt (both modes), lop3 (a | (b & c) only), mul.rn.bf16x2 and
+    mul.rn.f16x2, whose products are computed exactly (they are exact on the GPU: <= 6 significant
+    bits; subnormals included), and cvt.rn.satfinite.e4m3x2.f16x2 (upper half to the upper byte,
+    rounded as torch rounds to float8_e4m3fn)."""
     import re
     import struct
+    def f16(bits):
+        return struct.unpack("<e", struct.pack("<H", bits & 0xFFFF))[0]
+
+    def f16_bits(value):
+        bits = struct.unpack("<H", struct.pack("<e", value))[0]
+        assert f16(bits) == value, "inexact f16 product"
+        return bits
+
+    def e4m3(value):
+        return torch.tensor([value]).to(torch.float8_e4m3fn).view(torch.uint8).item()
     regs = dict(operands)
     for line in ptx.splitlines():
         m = re.match(r"([a-z0-9.]+) ([^;]+);", line.strip())
         if not m or m.group(1).startswith("."):
+            continue
+        pair = re.fullmatch(r"(\S+), \{(\S+), (\S+)\}", m.group(2))
+        if m.group(1) == "mov.b32" and pair:   # two 16-bit halves, the first one low
+            regs[pair.group(1)] = regs[pair.group(2)] & 0xFFFF | (regs[pair.group(3)] & 0xFFFF) << 16
             continue
         op, args = m.group(1), [a.strip() for a in m.group(2).split(",")]
         d, vals = args[0], [regs[a] if a in regs else int(a, 0) for a in args[1:]]
@@ -313,7 +329,7 @@ def _run_decode_ptx(ptx: str, operands: dict) -> dict:
             regs[d] = vals[0] & vals[1]
         elif op == "mul.lo.u32":
             regs[d] = (vals[0] * vals[1]) & 0xFFFFFFFF
-        elif op == "shr.u32":
+        elif op in ("shr.u32", "shr.b32"):
             regs[d] = vals[0] >> vals[1]
         elif op == "shl.b32":
             regs[d] = (vals[0] << vals[1]) & 0xFFFFFFFF
@@ -322,8 +338,18 @@ def _run_decode_ptx(ptx: str, operands: dict) -> dict:
         elif op == "prmt.b32":
             pool = vals[0] | vals[1] << 32
             sel = [(vals[2] >> (4 * i)) & 0xF for i in range(4)]
-            assert all(s_ < 8 for s_ in sel), "sign-replicate mode not modelled"
-            regs[d] = sum(((pool >> (8 * s_)) & 0xFF) << (8 * i) for i, s_ in enumerate(sel))
+            picked = [(pool >> (8 * (s_ & 7))) & 0xFF for s_ in sel]
+            # selector bit 3: the byte's top bit replicated over the byte (sign-replicate mode)
+            picked = [(0xFF if b_ & 0x80 else 0) if s_ & 8 else b_ for s_, b_ in zip(sel, picked)]
+            regs[d] = sum(b_ << (8 * i) for i, b_ in enumerate(picked))
+        elif op == "lop3.b32":
+            assert vals[3] == 0xF8, "only a | (b & c) is modelled"
+            regs[d] = vals[0] | (vals[1] & vals[2])
+        elif op == "mul.rn.f16x2":
+            regs[d] = (f16_bits(f16(vals[0]) * f16(vals[1]))
+                       | f16_bits(f16(vals[0] >> 16) * f16(vals[1] >> 16)) << 16)
+        elif op == "cvt.rn.satfinite.e4m3x2.f16x2":
+            regs[d] = e4m3(f16(vals[0])) | e4m3(f16(vals[0] >> 16)) << 8
         elif op == "mul.rn.bf16x2":
             lanes = []
             for shift in (0, 16):
@@ -364,6 +390,26 @@ def test_decode_ptx_matches_arithmetic_decode():
                         code = (w_ >> (4 * (h + 2 * b + 4 * p))) & 0xF
                         want = float(nv.e2m1_decode(torch.tensor([code], dtype=torch.uint8)))
                         assert got == want * scale * 2.0 ** -8, (trial, r8, h, b, p, code)
+
+
+def test_e4m3_decode_ptx_matches_to_fp8():
+    # The FP8-rows decode's PTX (modelled instruction by instruction above): every code in every
+    # nibble, signs included, times every finite block scale (subnormals and 0 included), gives
+    # to_fp8's e4m3 value, each packed byte's two codes in K order (even K in the low byte).
+    from engine.kernels.nvfp4_triton import FP8_SHIFT, _e2m1_to_e4m3_ptx
+    ptx = _e2m1_to_e4m3_ptx()
+    scale_codes = torch.arange(0, 0x7F, dtype=torch.uint8)     # 0x7F is NaN; block scales are >= 0
+    for trial in range(32):     # nibble i holds code (trial + 3i) % 16; byte j scale (4 trial + j) % 127
+        nibbles = [(trial + 3 * i) % 16 for i in range(8)]
+        word = sum(c << (4 * i) for i, c in enumerate(nibbles))
+        scales = scale_codes[[(4 * trial + j) % 127 for j in range(4)]].view(torch.float8_e4m3fn).float()
+        halves = (scales / FP8_SHIFT.value).half().view(torch.int16).int().tolist()
+        regs = _run_decode_ptx(ptx, {"$2": word, "$3": halves[0] & 0xFFFF | (halves[1] & 0xFFFF) << 16,
+                                     "$4": halves[2] & 0xFFFF | (halves[3] & 0xFFFF) << 16})
+        out = torch.tensor([(regs[f"${i // 4}"] >> (8 * (i % 4))) & 0xFF for i in range(8)], dtype=torch.uint8)
+        codes = torch.tensor(nibbles, dtype=torch.uint8)
+        want = (nv.e2m1_decode(codes) * scales.repeat_interleave(2) / FP8_SHIFT.value).to(torch.float8_e4m3fn)
+        assert torch.equal(out.view(torch.float8_e4m3fn).float(), want.float()), (trial, nibbles, scales)
 
 
 def test_gluon_scale_asm_every_e4m3_code():

@@ -149,51 +149,30 @@ def _weight_offsets(rows, cols, k0, K: tl.constexpr, PER_K: tl.constexpr, TILED:
 # 5 significant bits, e4m3 keeps 4) and its subnormals (products under 1/8).
 FP8_SHIFT = tl.constexpr(8.0)
 
-# Four packed bytes (8 codes; $2) and each byte's block scale / FP8_SHIFT in f16 ($3: bytes 0-1,
-# $4: bytes 2-3) -> 8 e4m3 codes in K order, a byte's two codes per 16 bits ($0: bytes 0-1, $1:
-# bytes 2-3). `prmt` looks the magnitudes' f16 high bytes up (0 0.5 1 1.5 2 3 4 6: 00 38 3C 3E 40
-# 42 44 46; every low byte is 0) and places a byte's two codes as an f16x2 (even K low); the signs
-# come in as in _E2M1_TO_BF16_PTX; the f16 product is exact (<= 5 significant bits, >= 2^-13) and
-# `cvt` rounds it to e4m3 as torch does, so the codes equal `to_fp8`'s.
-_E2M1_TO_E4M3_PTX = tl.constexpr("""
-{
-.reg .b32 lo, hi, sel, mag0, mag1, shifted, sgn, h0, h1, h2, h3, s0, s1, s2, s3;
-.reg .b16 q0, q1, q2, q3;
-mov.b32 lo, 0x3E3C3800;
-mov.b32 hi, 0x46444240;
-and.b32 sel, $2, 0x77777777;
-prmt.b32 mag0, lo, hi, sel;
-shr.b32 sel, sel, 16;
-prmt.b32 mag1, lo, hi, sel;
-shl.b32 shifted, $2, 4;
-prmt.b32 h0, mag0, 0, 0x1404;
-prmt.b32 sgn, shifted, $2, 0xC080;
-lop3.b32 h0, h0, sgn, 0x80008000, 0xF8;
-prmt.b32 h1, mag0, 0, 0x3424;
-prmt.b32 sgn, shifted, $2, 0xD090;
-lop3.b32 h1, h1, sgn, 0x80008000, 0xF8;
-prmt.b32 h2, mag1, 0, 0x1404;
-prmt.b32 sgn, shifted, $2, 0xE0A0;
-lop3.b32 h2, h2, sgn, 0x80008000, 0xF8;
-prmt.b32 h3, mag1, 0, 0x3424;
-prmt.b32 sgn, shifted, $2, 0xF0B0;
-lop3.b32 h3, h3, sgn, 0x80008000, 0xF8;
-prmt.b32 s0, $3, 0, 0x1010;
-prmt.b32 s1, $3, 0, 0x3232;
-prmt.b32 s2, $4, 0, 0x1010;
-prmt.b32 s3, $4, 0, 0x3232;
-mul.rn.f16x2 h0, h0, s0;
-mul.rn.f16x2 h1, h1, s1;
-mul.rn.f16x2 h2, h2, s2;
-mul.rn.f16x2 h3, h3, s3;
-cvt.rn.satfinite.e4m3x2.f16x2 q0, h0;
-cvt.rn.satfinite.e4m3x2.f16x2 q1, h1;
-cvt.rn.satfinite.e4m3x2.f16x2 q2, h2;
-cvt.rn.satfinite.e4m3x2.f16x2 q3, h3;
-mov.b32 $0, {q0, q1};
-mov.b32 $1, {q2, q3};
-}
-""")
+def _e2m1_to_e4m3_ptx() -> str:
+    """PTX for one `_dequantize_fp8_kernel` call (pack=4): four packed bytes (8 codes; $2) and each
+    byte's block scale / FP8_SHIFT in f16 ($3: bytes 0-1, $4: bytes 2-3) -> 8 e4m3 codes in K order,
+    a byte's two per 16 bits ($0: bytes 0-1, $1: bytes 2-3). `prmt` looks the magnitudes' f16 high
+    bytes up (0 0.5 1 1.5 2 3 4 6: 00 38 3C 3E 40 42 44 46; every low byte is 0) and places a byte's
+    two codes as an f16x2 (even K low); the signs come in as in _E2M1_TO_BF16_PTX; the f16 product
+    is exact (<= 5 significant bits, >= 2^-13) and `cvt` rounds it to e4m3 as torch does, so the
+    codes equal `to_fp8`'s."""
+    lines = ["{", ".reg .b32 lo, hi, sel, mag0, mag1, shifted, sgn, h, s;", ".reg .b16 q0, q1, q2, q3;",
+             "mov.b32 lo, 0x3E3C3800;", "mov.b32 hi, 0x46444240;", "and.b32 sel, $2, 0x77777777;",
+             "prmt.b32 mag0, lo, hi, sel;", "shr.b32 sel, sel, 16;", "prmt.b32 mag1, lo, hi, sel;",
+             "shl.b32 shifted, $2, 4;"]
+    for byte in range(4):
+        odd = byte % 2
+        lines += [f"prmt.b32 h, mag{byte // 2}, 0, {0x1404 + 0x2020 * odd:#x};",   # f16 high bytes at 15:8, 31:24
+                  f"prmt.b32 sgn, shifted, $2, {0xC080 + 0x1010 * byte:#x};",    # the codes' sign bits, replicated
+                  "lop3.b32 h, h, sgn, 0x80008000, 0xF8;",                        # h | (sgn & 0x80008000)
+                  f"prmt.b32 s, {('$3', '$4')[byte // 2]}, 0, {0x1010 + 0x2222 * odd:#x};",  # the byte's scale, twice
+                  "mul.rn.f16x2 h, h, s;",
+                  f"cvt.rn.satfinite.e4m3x2.f16x2 q{byte}, h;"]
+    return "\n".join(lines + ["mov.b32 $0, {q0, q1};", "mov.b32 $1, {q2, q3};", "}"])
+
+
+_E2M1_TO_E4M3_PTX = tl.constexpr(_e2m1_to_e4m3_ptx())
 
 
 @triton.jit
