@@ -22,10 +22,10 @@ still feeds the tensor cores and the CUDA cores only decode e2m1, 17 instruction
 
 `dequantize_bf16(w)` decodes the whole weight (`_decode_tile`, `prmt` table lookups);
 `dequantize_fp8(w)` decodes it to FP8 rows instead (e4m3 codes, one fp32 scale per row; lossy by
-e4m3's rounding, `FP8_SHIFT`), for the FP8 GEMM: `_E2M1_TO_E4M3_PTX` turns each packed byte into its
-two e4m3 codes in K order, so the kernel stores what it loaded, twice as wide, with no shuffle. At large M, where decoding once and a tensor-core
-GEMM beat decoding per tile, `dequantize_scratch` / `dequantize_fp8_scratch` decode into one
-reused buffer per device.
+e4m3's rounding, `FP8_SHIFT`), for the FP8 GEMM: `_E2M1_TO_E4M3_PTX` turns each packed byte into
+its two e4m3 codes in K order, so the kernel stores what it loaded, twice as wide, with no shuffle.
+At large M, where decoding once and a tensor-core GEMM beat decoding per tile, `dequantize_scratch`
+/ `dequantize_fp8_scratch` decode into one reused buffer per device.
 
 The interpreter (TRITON_INTERPRET=1) runs no inline PTX: there the kernels decode with Triton
 arithmetic computing the same function (`_e2m1_to_bf16_arith`, `_decode_words_arith`); a CPU test
@@ -148,6 +148,7 @@ def _weight_offsets(rows, cols, k0, K: tl.constexpr, PER_K: tl.constexpr, TILED:
 # power of two adds no rounding of its own: the only loss is e4m3's mantissa (the product has up to
 # 5 significant bits, e4m3 keeps 4) and its subnormals (products under 1/8).
 FP8_SHIFT = tl.constexpr(8.0)
+
 
 def _e2m1_to_e4m3_ptx() -> str:
     """PTX for one `_dequantize_fp8_kernel` call (pack=4): four packed bytes (8 codes; $2) and each
