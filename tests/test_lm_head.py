@@ -36,17 +36,12 @@ def reference_logits(model, hidden, w=None):
     given), and for fp8 the activation quantised per token as the format's GEMM does; for nvfp4,
     past the decode kernels' M on a GPU that selects it, the FP8 path's weight and activations."""
     backend = model.lm_head.backend
-    if backend.name == "nvfp4" and hidden.is_cuda and _fp8_path(backend, hidden):
+    if backend.name == "nvfp4" and hidden.is_cuda and backend.input_quant(hidden.shape[0]) == "fp8":
         return nvfp4.nvfp4_fp8_linear_reference(hidden, backend.tensor, torch.float32).double()
     w = backend.dequantize().double() if w is None else w
     if backend.name == "fp8":
         hidden = dequantize_fp8(*quantize_rows_fp8(hidden))
     return hidden.double() @ w.t()
-
-
-def _fp8_path(backend, hidden) -> bool:
-    kernel = nvfp4.nvfp4_kernel(hidden.shape[0], backend.tensor, hidden.device, hidden.dtype).kernel
-    return kernel.input_quant == "fp8"
 
 
 def rel_err(a, b):

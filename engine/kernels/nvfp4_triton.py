@@ -190,8 +190,8 @@ def _dequantize_kernel(packed_ptr, scale_ptr, tensor_scale_ptr, out_ptr, N, K: t
     scale_ptrs = scale_ptr + _weight_offsets(offs_n, offs_ks, k0, K, 8, TILED)
     even, odd = _decode_tile(packed_ptrs, scale_ptrs, (offs_n < N)[:, None], BLOCK_N, BLOCK_K,
                              INTERPRETER)
-    w = tl.join(even, odd).reshape(BLOCK_N, BLOCK_K).to(tl.float32)
-    w = (w * tl.load(tensor_scale_ptr)).to(out_ptr.dtype.element_ty)
+    w = tl.join(even, odd).reshape(BLOCK_N, BLOCK_K)
+    w = (w.to(tl.float32) * tl.load(tensor_scale_ptr)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs_n[:, None] * K + (k0 + offs_k)[None, :], w, mask=(offs_n < N)[:, None])
 
 
@@ -509,12 +509,9 @@ def dequantize_bf16(w, dtype: torch.dtype = torch.bfloat16,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """The dense [N, K] weight, decoded on the device (into `out` if given)."""
     n, k = w.shape
-    if k % 64:
-        raise ValueError(f"K={k} must be a multiple of 64")
+    block_n, block_k = 64, _block_k(w)
     if out is None:
         out = torch.empty(n, k, device=w.packed.device, dtype=dtype)
-    n, k = w.shape
-    block_n, block_k = 64, _block_k(w)
     _dequantize_kernel[(triton.cdiv(n, block_n), k // block_k)](
         w.packed, w.block_scale, w.tensor_scale, out, n, k, BLOCK_N=block_n, BLOCK_K=block_k,
         INTERPRETER=interpreting(), TILED=w.tiled, num_warps=4)
@@ -526,12 +523,10 @@ def dequantize_fp8(w, out: torch.Tensor | None = None,
     """The weight as FP8 rows, decoded on the device: (q [N, K] float8_e4m3fn, scale [N] fp32),
     w ~= q * scale[:, None] (engine/formats/nvfp4.py `to_fp8`), into out / row_scale if given."""
     n, k = w.shape
-    if k % 64:
-        raise ValueError(f"K={k} must be a multiple of 64")
+    block_n, block_k = 32, _block_k(w)
     device = w.packed.device
     out = torch.empty(n, k, device=device, dtype=torch.float8_e4m3fn) if out is None else out
     row_scale = torch.empty(n, device=device, dtype=torch.float32) if row_scale is None else row_scale
-    block_n, block_k = 32, _block_k(w)
     _dequantize_fp8_kernel[(triton.cdiv(n, block_n), k // block_k)](
         w.packed, w.block_scale, w.tensor_scale, out.view(torch.uint16), row_scale, n, k,
         BLOCK_N=block_n, BLOCK_K=block_k, INTERPRETER=interpreting(), TILED=w.tiled, num_warps=4)
@@ -540,8 +535,11 @@ def dequantize_fp8(w, out: torch.Tensor | None = None,
 
 def _block_k(w) -> int:
     """K per program of the dequantise kernels: 256 where it divides K, else what the storage
-    allows (tiles are 128 deep)."""
-    return 256 if w.shape[1] % 256 == 0 else 128 if w.tiled else 64
+    allows (tiles are 128 deep); K must be a multiple of 64."""
+    k = w.shape[1]
+    if k % 64:
+        raise ValueError(f"K={k} must be a multiple of 64")
+    return 256 if k % 256 == 0 else 128 if w.tiled else 64
 
 
 _SCRATCH: dict = {}
