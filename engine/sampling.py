@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.kernels.argmax import argmax
+
 
 # Temperatures below this sample greedily (vLLM's convention too): the sampler divides fp32 logits by
 # the temperature, and a tinier one (fp32 has none below 1e-45) overflows them to inf and the softmax to
@@ -170,7 +172,7 @@ class Sampler:
         if "token_bitmask" in dev:      # constrained rows (engine/structured_output.py)
             logits = apply_token_bitmask(logits, dev["token_bitmask"])
         if all(p.greedy for p in params):
-            tokens = logits.argmax(-1)
+            tokens = argmax(logits)
         else:
             tokens = self._sample(logits, params, generators, dev)
         return [tokens, *self._logprobs(logits, tokens, params)]
@@ -198,8 +200,8 @@ class Sampler:
         for i, g in enumerate(generators):
             if g is not None:
                 noise[i].exponential_(generator=g)
-        sampled = (probs / noise).argmax(-1)
-        return torch.where(dev["greedy"], logits.argmax(-1), sampled)
+        sampled = argmax(probs / noise)
+        return torch.where(dev["greedy"], argmax(logits), sampled)
 
     @staticmethod
     def _logprobs(logits, tokens, params) -> list[torch.Tensor]:
