@@ -219,11 +219,31 @@ def test_sm90_shape_checks_and_tile_choice():
     assert k.choose_tile(8192, 28672, 132, fast_accum=True) == (128, 256)
     assert k.choose_tile(1024, 6144, 132) == (128, 128)  # 384 tiles fill waves better than 192
     assert k.choose_tile(128, 6144, 132) == (64, 128)
+    assert k.choose_tile(512, 6144, 132) == (128, 128)  # 2 waves of 128-row tiles beat 3 of 64-row ones
     assert k.choose_tile(17, 576, 132) == (64, 64)
     # Promote every 2 k-tiles where K's k-tiles split evenly, else every one (576 = 5 k-tiles).
     assert [k.choose_promote_every(kk) for kk in (4096, 14336, 576, 1536)] == [2, 2, 1, 2]
     with pytest.raises(ValueError, match="promote_every=3"):
         k.Fp8GemmSm90((128, 128), 1024, 4096, False, 132, promote_every=3)
+
+
+def test_activation_storage_holds_whole_tiles_of_rows():
+    """FP8 activations are allocated with rows rounded up to 128, and the GEMMs describe A to TMA
+    with whole tiles of rows only where the storage holds them."""
+    from engine.kernels.cute.common import tma_rows
+    from engine.kernels.platform import ACTIVATION_ROW_ALIGN, activation_empty, storage_rows
+    assert ACTIVATION_ROW_ALIGN == 128
+    for m, rows in [(1, 128), (127, 128), (128, 128), (129, 256), (300, 384)]:
+        t = activation_empty(m, 64, torch.float8_e4m3fn, "cpu")
+        assert t.shape == (m, 64) and t.is_contiguous() and storage_rows(t) == rows
+        assert tma_rows(t, 64) == -(-m // 64) * 64 and tma_rows(t, 128) == rows
+    tight = torch.empty(160, 64, dtype=torch.float8_e4m3fn)
+    assert storage_rows(tight) == tma_rows(tight, 128) == 160
+    big = torch.empty(10, 64)
+    assert storage_rows(big[:3]) == 10 and storage_rows(big[2:5]) == 8
+    assert storage_rows(big[:, :32]) == 10          # a column slice: rows 64 apart, 32 wide
+    assert storage_rows(big.t()) == 64              # not row-major: its own rows only
+    assert storage_rows(big[:0]) == 0
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -308,6 +328,41 @@ def test_sm90_every_promotion_interval():
                                                        promote_every=p), qx, xs, qw, ws, r)
     with pytest.raises(ValueError, match="promote_every=3"):
         fp8_gemm_sm90(qx, xs, qw, ws, tile_mn=(128, 128), promote_every=3)
+
+
+@pytest.mark.gpu
+def test_sm90_reads_whole_tiles_of_padded_activations():
+    """A's rows past M, read where the storage holds them (whatever they hold: here e4m3 NaN codes),
+    change no output bit: the same GEMM on a copy of A with tight storage gives the same result."""
+    from engine.kernels.cute.common import tma_rows
+    from engine.kernels.cute.fp8_gemm_sm90 import PRECISE_TILES, fp8_gemm_sm90
+    from engine.kernels.platform import activation_empty, storage_rows
+    n, k = 1024, 4096
+    for m in (136, 160, 224, 320):
+        made, xs, qw, ws = gpu_operands(m, n, k, seed=m)
+        tight = made.clone()                             # storage of exactly M rows
+        qx = activation_empty(m, k, torch.float8_e4m3fn, "cuda")
+        qx.as_strided((storage_rows(qx), k), (k, 1)).view(torch.uint8).fill_(0x7F)     # NaN codes in every row
+        qx.copy_(made)
+        for tile in PRECISE_TILES:
+            assert tma_rows(qx, tile[0]) == -(-m // tile[0]) * tile[0] and tma_rows(tight, tile[0]) == m
+            check_kernel(lambda out: fp8_gemm_sm90(qx, xs, qw, ws, tile_mn=tile, out=out), qx, xs, qw, ws, None)
+            a = fp8_gemm_sm90(qx, xs, qw, ws, tile_mn=tile)
+            b = fp8_gemm_sm90(tight, xs, qw, ws, tile_mn=tile)
+            assert torch.equal(a, b), (m, tile)
+
+
+@pytest.mark.gpu
+def test_fp8_activations_come_padded():
+    """Every producer of the GEMMs' e4m3 activations allocates whole tiles of rows."""
+    from engine.kernels.norms import rms_norm
+    from engine.kernels.platform import storage_rows
+    from engine.kernels.swiglu import swiglu
+    x = torch.randn(200, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(4096, device="cuda", dtype=torch.bfloat16)
+    made = [fp8.quantize_act_fp8(x)[0], rms_norm(x, w, 1e-5, quant="fp8")[0], swiglu(x, quant="fp8")[0],
+            rms_norm(x, w, 1e-5, residual=x.clone(), quant="fp8")[0][0]]
+    assert [storage_rows(q) for q in made] == [256] * 4
 
 
 @pytest.mark.gpu

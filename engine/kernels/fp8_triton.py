@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from engine.kernels.platform import interpreting, sm_count
+from engine.kernels.platform import activation_empty, interpreting, sm_count
 
 SMALL_M = 16
 
@@ -103,7 +103,7 @@ def _triton_kernels():
 def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     quantize_rows_kernel = _triton_kernels()[0]
     m, k = x.shape
-    q = torch.empty(m, k, device=x.device, dtype=torch.float8_e4m3fn)
+    q = activation_empty(m, k, torch.float8_e4m3fn, x.device)     # whole GEMM tiles of rows
     scale = torch.empty(m, device=x.device, dtype=torch.float32)
     quantize_rows_kernel[(m,)](x, q, scale, k, BLOCK_K=min(4096, 1 << (k - 1).bit_length()),
                                num_warps=8)

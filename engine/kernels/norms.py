@@ -20,7 +20,7 @@ try:
 except ImportError:  # no Triton: the references run
     triton = None
 
-from engine.kernels.platform import interpreting, jit, output_buffer, triton_runs
+from engine.kernels.platform import activation_empty, interpreting, jit, output_buffer, triton_runs
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -142,8 +142,11 @@ def rms_norm_triton(x, weight, eps, residual=None, quant=None, out=None, residua
     n = x.shape[-1]
     x2 = _rows(x)
     m = x2.shape[0]
-    out = output_buffer(out, x.shape, torch.float8_e4m3fn if quant == "fp8" else x.dtype, x.device).view(m, n)
-    scale = torch.empty(m, device=x.device, dtype=torch.float32) if quant == "fp8" else out
+    if quant == "fp8":      # rows padded to whole FP8 GEMM tiles (platform.activation_empty)
+        out = activation_empty(m, n, torch.float8_e4m3fn, x.device)
+        scale = torch.empty(m, device=x.device, dtype=torch.float32)
+    else:
+        out = scale = output_buffer(out, x.shape, x.dtype, x.device).view(m, n)
     if residual is not None:
         r2 = _rows(residual)
         res_out = output_buffer(residual_out, x.shape, x.dtype, x.device, "residual_out").view(m, n)

@@ -10,6 +10,8 @@ library questions for every kernel and every selection.
   on a machine without Triton and its references still run.
 - `capture(graph, pool)`: torch.cuda.graph for graphs that launch Triton kernels, under either of
   torch's allocators (see its docstring for what cudaMallocAsync needs).
+- `activation_empty(m, k, dtype, device)` / `storage_rows(t)`: FP8 activations whose storage holds
+  whole GEMM tiles of rows, and how many rows a matrix's storage holds.
 """
 from __future__ import annotations
 
@@ -52,6 +54,28 @@ def output_buffer(out: torch.Tensor | None, shape, dtype: torch.dtype, device, n
         raise ValueError(f"{name}: a contiguous {dtype} tensor of shape {tuple(shape)} is needed, "
                          f"got {out.dtype} {tuple(out.shape)}")
     return out
+
+
+# FP8 activations are allocated with their rows rounded up to this (the largest GEMM tile's rows), so
+# that the FP8 GEMMs' TMA loads whole tiles of A: on Hopper, boxes that lie partly past the tensor's
+# last row made the GEMM 25-38% slower (BENCHMARKS.md). The GEMMs read the padding rows (whatever they
+# hold) into accumulator rows whose results they never store.
+ACTIVATION_ROW_ALIGN = 128
+
+
+def activation_empty(m: int, k: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """An uninitialised [m, k] tensor whose storage holds m rounded up to ACTIVATION_ROW_ALIGN rows."""
+    rows = -(-m // ACTIVATION_ROW_ALIGN) * ACTIVATION_ROW_ALIGN
+    return torch.empty(rows, k, dtype=dtype, device=device)[:m]
+
+
+def storage_rows(t: torch.Tensor) -> int:
+    """Rows of the row-major matrix t [M, K] (unit stride along K) that its storage holds from t's
+    first element: M or more (rows past M being whatever the storage holds there)."""
+    if t.dim() != 2 or t.stride(1) != 1 or t.shape[0] == 0:
+        return t.shape[0]
+    elements = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+    return max(t.shape[0], (elements - t.shape[1]) // t.stride(0) + 1)
 
 
 def capability(device: torch.device | str | int | None) -> tuple[int, int] | None:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.norms import e4m3_scale, quantize_e4m3, quantize_fp8_rows_ref, row_launch_config
-from engine.kernels.platform import interpreting, jit, triton_runs
+from engine.kernels.platform import activation_empty, interpreting, jit, triton_runs
 
 try:
     import triton
@@ -70,7 +70,7 @@ def swiglu_triton(gate_up, quant=None):
     m = x2.shape[0]
     lead = gate_up.shape[:-1]
     if quant == "fp8":
-        out = torch.empty((m, f), device=gate_up.device, dtype=torch.float8_e4m3fn)
+        out = activation_empty(m, f, torch.float8_e4m3fn, gate_up.device)     # whole GEMM tiles of rows
         scale = torch.empty(m, device=gate_up.device, dtype=torch.float32)
         block, num_warps = row_launch_config(f)
         if m > 0:

@@ -12,6 +12,8 @@ import threading
 
 import torch
 
+from engine.kernels.platform import storage_rows
+
 
 def cutlass_dtype(dtype: torch.dtype):
     import cutlass
@@ -30,27 +32,38 @@ def gmem_ptr(dtype, address: int = 0, align: int = 16):
     return make_ptr(dtype, address, AddressSpace.gmem, assumed_align=align)
 
 
-def scaled_gemm_tensors(a_ptr, b_ptr, xs_ptr, ws_ptr, out_ptr, res_ptr, m, n: int, k: int):
+def scaled_gemm_tensors(a_ptr, b_ptr, xs_ptr, ws_ptr, out_ptr, res_ptr, m, a_rows, n: int, k: int):
     """The global tensors of y = (A @ B^T) * xs[:, None] * ws[None, :] (+ residual), as both FP8
-    kernels take them: A [M, K] and B [N, K] K-major, the per-row and per-column scales, and the
-    output and residual [M, N] row-major. M is a run-time value; call it inside a @cute.jit."""
+    kernels take them: A [a_rows, K] and B [N, K] K-major, the per-row and per-column scales, and the
+    output and residual [M, N] row-major. A's rows past M (a_rows >= M, where its storage holds them:
+    engine/kernels/platform.py `activation_empty`) spare the TMA boxes that cross A's last row; the
+    products of those rows are never stored. M and a_rows are run-time values; call it inside a
+    @cute.jit."""
     import cutlass.cute as cute
 
     def matrix(ptr, rows, cols):
         return cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(cols, 1)))
-    return (matrix(a_ptr, m, k), matrix(b_ptr, n, k), cute.make_tensor(xs_ptr, cute.make_layout(m)),
+    return (matrix(a_ptr, a_rows, k), matrix(b_ptr, n, k), cute.make_tensor(xs_ptr, cute.make_layout(m)),
             cute.make_tensor(ws_ptr, cute.make_layout(n)), matrix(out_ptr, m, n), matrix(res_ptr, m, n))
+
+
+def tma_rows(qx: torch.Tensor, tile_m: int) -> int:
+    """The rows of A to describe to TMA: M rounded up to whole tiles of tile_m rows where qx's storage
+    holds them (engine/kernels/platform.py `activation_empty`), else as many as it holds (>= M)."""
+    m = qx.shape[0]
+    return min(storage_rows(qx), -(-m // tile_m) * tile_m)
 
 
 def compile_scaled_gemm(kernel, stream=None):
     """cute.compile of an FP8 kernel whose __call__ takes (a, b, xs, ws, out, residual pointers, m,
-    stream), for the current target, with placeholder pointers: M stays a run-time argument."""
+    a_rows, stream), for the current target, with placeholder pointers: M and A's rows stay run-time
+    arguments."""
     import cutlass
     import cutlass.cute as cute
     fp8, f32, bf16 = cutlass.Float8E4M3FN, cutlass.Float32, cutlass.BFloat16
     return cute.compile(
         kernel, gmem_ptr(fp8), gmem_ptr(fp8), gmem_ptr(f32, align=4), gmem_ptr(f32, align=4),
-        gmem_ptr(bf16), gmem_ptr(bf16), cutlass.Int32(1),
+        gmem_ptr(bf16), gmem_ptr(bf16), cutlass.Int32(1), cutlass.Int32(1),
         stream if stream is not None else placeholder_stream())
 
 

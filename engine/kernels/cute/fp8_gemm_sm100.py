@@ -32,7 +32,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from engine.kernels.cute.common import (CompileCache, compile_scaled_gemm, current_stream, scaled_gemm_tensors,
-                                        tensor_ptr)
+                                        tensor_ptr, tma_rows)
 from engine.kernels.cute.epilogue import scale_accumulators
 
 SMEM_BYTES = 227 * 1024
@@ -63,9 +63,10 @@ class Fp8GemmSm100:
     @cute.jit
     def __call__(self, a_ptr: cute.Pointer, b_ptr: cute.Pointer, xs_ptr: cute.Pointer,
                  ws_ptr: cute.Pointer, out_ptr: cute.Pointer, res_ptr: cute.Pointer,
-                 m: cutlass.Int32, stream: cuda.CUstream):
+                 m: cutlass.Int32, a_rows: cutlass.Int32, stream: cuda.CUstream):
         n, k = self.n, self.k
-        mA, mB, mXs, mWs, mC, mR = scaled_gemm_tensors(a_ptr, b_ptr, xs_ptr, ws_ptr, out_ptr, res_ptr, m, n, k)
+        mA, mB, mXs, mWs, mC, mR = scaled_gemm_tensors(a_ptr, b_ptr, xs_ptr, ws_ptr, out_ptr, res_ptr, m, a_rows,
+                                                       n, k)
 
         k_major = LayoutEnum.ROW_MAJOR.mma_major_mode()
         cta_group = tcgen05.CtaGroup.TWO if self.cta_group == 2 else tcgen05.CtaGroup.ONE
@@ -306,5 +307,5 @@ def fp8_gemm_sm100(qx: torch.Tensor, x_scale: torch.Tensor, qw: torch.Tensor, w_
     out = torch.empty(m, n, device=qx.device, dtype=torch.bfloat16)
     res = residual.to(torch.bfloat16).contiguous() if residual is not None else out
     fn(tensor_ptr(qx), tensor_ptr(qw), tensor_ptr(x_scale, 4), tensor_ptr(w_scale, 4), tensor_ptr(out),
-       tensor_ptr(res), m, current_stream())
+       tensor_ptr(res), m, tma_rows(qx, 128 * cta_group), current_stream())
     return out

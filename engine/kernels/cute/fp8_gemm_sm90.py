@@ -27,8 +27,12 @@ tiles, row by row within a group, so one wave of 132 tiles touches 132/swizzle r
 column-blocks of B (e.g. 8 MB + 4 MB at 128 x 128 tiles, swizzle 8, K = 4096) instead of a whole
 column of A tiles (32 MB at M = 8192), which L2 cannot hold beside the B stream.
 
-M is a run-time argument: TMA zero-fills rows of A past M and clips the stores, so any M >= 1
-works with one compiled kernel. N and K are compile-time constants (multiples of 64).
+M is a run-time argument: the stores stop at row M, so any M >= 1 works with one compiled kernel.
+A is described to TMA with its rows rounded up to whole tiles where its storage holds them (FP8
+activations are allocated so: engine/kernels/platform.py `activation_empty`). A box that crosses
+A's last row, which TMA zero-fills, is slow to load: with one in every row of tiles the GEMM took
+25-38% longer at Llama-3.1-8B's shapes (BENCHMARKS.md). N and K are compile-time constants
+(multiples of 64).
 """
 from __future__ import annotations
 
@@ -47,14 +51,14 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from engine.kernels.cute.common import (CompileCache, compile_scaled_gemm, current_stream, scaled_gemm_tensors,
-                                        tensor_ptr)
+                                        tensor_ptr, tma_rows)
 from engine.kernels.platform import sm_count
 from engine.kernels.cute.epilogue import scale_accumulators
 
 # Tiles the dispatcher chooses from, largest first: (tile_m, tile_n). tile_k is 128 (four k32 WGMMAs).
 TILES = ((128, 256), (128, 128), (64, 128), (64, 64))
 PRECISE_TILES = TILES[1:]  # two 64 x tile_n fp32 accumulators per thread must fit in registers
-TILE_EFFICIENCY = {(128, 256): 1.0, (128, 128): 0.9, (64, 128): 0.75, (64, 64): 0.6}
+TILE_EFFICIENCY = {(128, 256): 1.0, (128, 128): 0.9, (64, 128): 0.6, (64, 64): 0.45}
 TILE_K = 128
 # k-tiles per fp32 promotion in the precise mode (see the module docstring).
 PROMOTE_EVERY = 2
@@ -82,7 +86,9 @@ def choose_tile(m: int, n: int, num_sms: int, fast_accum: bool = False) -> tuple
     """The tile with the least modelled time: waves of tiles over the SMs x time per tile.
 
     Time per tile is its area over a relative efficiency (smaller tiles re-read more operand bytes
-    per FLOP and issue narrower WGMMAs), so a smaller tile wins only by filling waves better.
+    per FLOP and issue narrower WGMMAs), so a smaller tile wins only by filling waves better. The
+    64-row tiles' efficiencies are fitted to the time of a wave of each tile at Llama-3.1-8B's
+    shapes, M = 136 to 512 (BENCHMARKS.md, "FP8 GEMMs").
     """
     def cost(tile):
         tiles = math.ceil(m / tile[0]) * (n // tile[1])
@@ -139,9 +145,10 @@ class Fp8GemmSm90:
     @cute.jit
     def __call__(self, a_ptr: cute.Pointer, b_ptr: cute.Pointer, xs_ptr: cute.Pointer,
                  ws_ptr: cute.Pointer, out_ptr: cute.Pointer, res_ptr: cute.Pointer,
-                 m: cutlass.Int32, stream: cuda.CUstream):
+                 m: cutlass.Int32, a_rows: cutlass.Int32, stream: cuda.CUstream):
         n, k = self.n, self.k
-        mA, mB, mXs, mWs, mC, mR = scaled_gemm_tensors(a_ptr, b_ptr, xs_ptr, ws_ptr, out_ptr, res_ptr, m, n, k)
+        mA, mB, mXs, mWs, mC, mR = scaled_gemm_tensors(a_ptr, b_ptr, xs_ptr, ws_ptr, out_ptr, res_ptr, m, a_rows,
+                                                       n, k)
 
         row = LayoutEnum.ROW_MAJOR  # A [M,K], B [N,K] are K-major; C [M,N] is N-major
         tiled_mma = sm90.make_trivial_tiled_mma(
@@ -411,7 +418,8 @@ def fp8_gemm_sm90(qx: torch.Tensor, x_scale: torch.Tensor, qw: torch.Tensor, w_s
     tile_mn = tile_mn or choose_tile(m, n, sm_count(qx.device), fast_accum)
     fn = compiled_kernel(tuple(tile_mn), n, k, residual is not None, fast_accum, swizzle, promote_every)
     fn(tensor_ptr(qx), tensor_ptr(qw), tensor_ptr(x_scale, 4), tensor_ptr(w_scale, 4),
-       tensor_ptr(out), tensor_ptr(residual if residual is not None else out), m, current_stream())
+       tensor_ptr(out), tensor_ptr(residual if residual is not None else out), m, tma_rows(qx, tile_mn[0]),
+       current_stream())
     return out
 
 
