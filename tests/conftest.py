@@ -1,6 +1,6 @@
 """Test setup: GPU tests (marker `gpu`) are skipped where torch sees no CUDA device, Triton kernel
-tests (marker `interpreter`) run on the CPU in an interpreter child process, and shared fixtures
-load the embedded model once per session."""
+tests (marker `interpreter`) run on the CPU in an interpreter child process, shared fixtures
+load the embedded model once per session, and `poisoned` makes kernels' outputs start as NaN."""
 import copy
 import os
 
@@ -21,6 +21,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
         elif "interpreter" in item.keywords and not interpreting:
             item.add_marker(child)
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """torch.empty hands out NaN-filled floats (-1 for integers) while the test runs: an output
+    element a kernel never writes fails its test."""
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else -1)
+
+    monkeypatch.setattr(torch, "empty", empty)
 
 
 @pytest.fixture(scope="session", autouse=True)
