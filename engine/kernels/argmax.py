@@ -1,13 +1,13 @@
 """The argmax of each row of a step's logits, for greedy decoding and the sampler's exponential race.
 
-`argmax(x)`: x fp32, bf16 or fp16 [B, V] (unit stride along V) -> int64 [B], the index of each row's largest
-value and, among equal values, the first, as torch.argmax: +0.0 and -0.0 are equal, and a NaN is
-larger than any number (the first NaN wins). `argmax_ref` is torch.argmax.
+`argmax(x)`: x fp32, bf16 or fp16 [B, V] (unit stride along V) -> int64 [B], the index of each
+row's largest value and, among equal values, the first, as torch.argmax: +0.0 and -0.0 are equal,
+and a NaN is larger than any number (the first NaN wins). `argmax_ref` is torch.argmax.
 
 Why a kernel: torch reduces each of a few 128K-wide rows in one block; from 1 to 64 rows it takes
-about 27 µs, where their bytes need 0.1 to 8 at copy bandwidth (BENCHMARKS.md). Here each row is split
-over programs of ARGMAX_CHUNK values, and a second launch reduces their (key, index) pairs. The
-comparison runs on integer keys: the float's bits with the magnitude bits of negative numbers
+about 27 µs, where their bytes need 0.1 to 8 µs at copy bandwidth (BENCHMARKS.md). Here each row is
+split over programs of ARGMAX_CHUNK values, and a second launch reduces their (key, index) pairs.
+The comparison runs on integer keys: the float's bits with the magnitude bits of negative numbers
 flipped order as the floats do, exactly, with -0.0 folded onto +0.0 and every NaN onto the largest
 key; ties resolve to the lowest index in both passes.
 
