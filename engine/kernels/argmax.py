@@ -4,9 +4,10 @@
 row's largest value and, among equal values, the first, as torch.argmax: +0.0 and -0.0 are equal,
 and a NaN is larger than any number (the first NaN wins). `argmax_ref` is torch.argmax.
 
-Why a kernel: torch reduces each of a few 128K-wide rows in one block; from 1 to 64 rows it takes
-about 27 µs, where their bytes need 0.1 to 8 µs at copy bandwidth (BENCHMARKS.md). Here each row is
-split over programs of ARGMAX_CHUNK values, and a second launch reduces their (key, index) pairs.
+Why a kernel: torch reduces each of a decode step's few 128K-wide rows in one block, so a few SMs
+read what all of them could (BENCHMARKS.md, "Where a decode step's GPU time goes", has the times).
+Here each row is split over programs of ARGMAX_CHUNK values, and a second launch reduces their
+(key, index) pairs.
 The comparison runs on integer keys: the float's bits with the magnitude bits of negative numbers
 flipped order as the floats do, exactly, with -0.0 folded onto +0.0 and every NaN onto the largest
 key; ties resolve to the lowest index in both passes.

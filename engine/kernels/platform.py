@@ -57,8 +57,8 @@ def output_buffer(out: torch.Tensor | None, shape, dtype: torch.dtype, device, n
 
 
 # FP8 activations are allocated with their rows rounded up to this (the largest GEMM tile's rows), so
-# that the FP8 GEMMs' TMA loads whole tiles of A: on Hopper, boxes that lie partly past the tensor's
-# last row made the GEMM 25-38% slower (BENCHMARKS.md). The GEMMs read the padding rows (whatever they
+# that the FP8 GEMMs' TMA loads whole tiles of A: on Hopper a box that lies partly past the tensor's
+# last row loads slowly (BENCHMARKS.md, "FP8 GEMMs"). The GEMMs read the padding rows (whatever they
 # hold) into accumulator rows whose results they never store.
 ACTIVATION_ROW_ALIGN = 128
 

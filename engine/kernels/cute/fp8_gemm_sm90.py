@@ -30,9 +30,8 @@ column of A tiles (32 MB at M = 8192), which L2 cannot hold beside the B stream.
 M is a run-time argument: the stores stop at row M, so any M >= 1 works with one compiled kernel.
 A is described to TMA with its rows rounded up to whole tiles where its storage holds them (FP8
 activations are allocated so: engine/kernels/platform.py `activation_empty`). A box that crosses
-A's last row, which TMA zero-fills, is slow to load: with one in every row of tiles the GEMM took
-25-38% longer at Llama-3.1-8B's shapes (BENCHMARKS.md). N and K are compile-time constants
-(multiples of 64).
+A's last row, which TMA zero-fills, is slow to load (BENCHMARKS.md, "FP8 GEMMs", has the times). N
+and K are compile-time constants (multiples of 64).
 """
 from __future__ import annotations
 
