@@ -415,7 +415,9 @@ def test_attention_layer_mixed_step_against_the_reference_path(fp8):
     assert rel_err(after_fused[2], cache.k_scale) < 1e-5 and torch.equal(after_fused[3], cache.v_scale)
 
 
-def check_prefill(q_lens, prefix_lens, nh, nkv, hd, dtype, with_cache=True, host_block_ends=False):
+def check_prefill(q_lens, prefix_lens, nh, nkv, hd, dtype, with_cache=True, host_block_ends=False,
+                  prefix_known=True):
+    """prefix_known False: the call does not say the step's longest prefix (max_prefix None)."""
     block_size = 16
     ctx_lens = [q + p for q, p in zip(q_lens, prefix_lens)]
     t = sum(q_lens)
@@ -442,7 +444,7 @@ def check_prefill(q_lens, prefix_lens, nh, nkv, hd, dtype, with_cache=True, host
         block_ends = torch.tensor(torch.tensor([-(-n // m) for n in q_lens]).cumsum(0).tolist(),
                                   dtype=torch.int32, device=DEVICE)
     out = attention.prefill_attention_triton(q, k, v, cu, ctx, tables, k_cache, v_cache, scale,
-                                             max(prefix_lens), block_ends=block_ends)
+                                             max(prefix_lens) if prefix_known else None, block_ends=block_ends)
     ref = attention.prefill_attention_ref(q, k, v, cu, ctx, tables, k_cache, v_cache, scale)
     assert_close(out, ref, dtype, "prefill")
 
@@ -464,8 +466,9 @@ def test_prefill_attention_with_prefix(poisoned, nh, nkv, hd, dtype):
 def test_prefill_attention_full_and_partial_tiles(poisoned):
     # Prefixes of several whole key tiles plus a partial one (300 = 2 x 128 + 44), or exactly whole
     # (256); chunks whose later query blocks see whole tiles of their own keys before the diagonal.
-    check_prefill([260, 129, 3], [300, 256, 0], 4, 2, 64, torch.float32)
-    check_prefill([260, 3], [2100, 0], 4, 2, 64, torch.bfloat16)   # a long prefix: 3 stages
+    check_prefill([260, 129, 3], [300, 256, 0], 4, 2, 64, torch.float32)      # 64-key tiles
+    check_prefill([260, 3], [2100, 0], 4, 2, 64, torch.bfloat16)              # 128-key tiles, 3 stages
+    check_prefill([260, 200, 3], [0, 0, 0], 4, 2, 64, torch.bfloat16)         # fresh: 64-key tiles
 
 
 def test_attention_into_the_callers_buffer():
@@ -497,6 +500,12 @@ def test_prefill_attention_with_the_hosts_query_blocks(poisoned):
 
 def test_prefill_attention_one_sequence(poisoned):
     check_prefill([45], [20], 4, 1, 64, torch.bfloat16)
+
+
+def test_prefill_attention_longest_prefix_not_given(poisoned):
+    """Without max_prefix the kernel reads whatever prefix there is; with 0 it may skip them."""
+    check_prefill([1, 70, 40], [50, 32, 0], 4, 2, 64, torch.bfloat16, prefix_known=False)
+    check_prefill([70, 40], [0, 0], 4, 2, 64, torch.bfloat16, prefix_known=False)
 
 
 def test_prefill_attention_more_sequences_than_one_owner_search_chunk(poisoned):
@@ -679,12 +688,12 @@ def test_gpu_attention_kernels_compile_once_for_every_step_shape():
     kernels = (attention._decode_kernel, attention._decode_merge_kernel, attention._prefill_kernel)
     attention.compile_step_kernels(k_cache, v_cache, None, nh, dtype, block=0)
 
-    def step(rows, longest, rope_rows):
-        """A mixed step's attention: `rows` prefill chunks with cached prefixes, then as many decode
-        rows, handed over as row slices of the step's block tables and context lengths (int32, as
-        uploaded), which start at a different alignment for each row count."""
+    def step(rows, longest, rope_rows, fresh=False):
+        """A mixed step's attention: `rows` prefill chunks with cached prefixes (none where `fresh`),
+        then as many decode rows, handed over as row slices of the step's block tables and context
+        lengths (int32, as uploaded), which start at a different alignment for each row count."""
         q_lens = torch.randint(1, 200, (rows,)).tolist()
-        prefixes = torch.randint(1, longest + 1, (rows,)).tolist()
+        prefixes = [0] * rows if fresh else torch.randint(1, longest + 1, (rows,)).tolist()
         lens = [q + p for q, p in zip(q_lens, prefixes)] + torch.randint(1, longest + 1, (rows,)).tolist()
         ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
         tables = block_tables_for(lens, page, k_cache.shape[0])
@@ -705,6 +714,7 @@ def test_gpu_attention_kernels_compile_once_for_every_step_shape():
     for rows, longest in [(1, 5), (2, 40), (3, 300), (7, 17), (16, 1000), (33, 260), (70, 64), (5, 2100)]:
         for rope_rows in (False, True):
             step(rows, longest, rope_rows)
+        step(rows, longest, False, fresh=True)
     grown = [compiled_binaries(kernel) - b for kernel, b in zip(kernels, before)]
     assert grown == [0, 0, 0], f"binaries compiled while 'serving' (decode, merge, prefill): {grown}"
 

@@ -20,7 +20,9 @@ whose `write_kv_ref` is the reference), and the decode kernel its own rows'.
 - `prefill_attention`: packed variable-length sequences, one program per (block of queries of one
   sequence, query head), causal aligned bottom-right: the cached prefix is read from the paged
   cache through the block table, this step's keys straight from k and v. Only the prefix's last
-  tile and the diagonal tiles are masked; every other key tile runs without masks.
+  tile and the diagonal tiles are masked; every other key tile runs without masks. Blocks start
+  last first (the most keys first); a step the host knows to have no prefix runs a binary without
+  the prefix loops.
 - `compile_step_kernels`: these kernels run outside the step graphs, on each step's own shapes, and
   take whatever changes between steps as runtime arguments; this compiles the few binaries left
   (per model) when the engine starts, so none compiles while a request waits.
@@ -138,14 +140,14 @@ def prefill_attention_flash(q, k, v, cu_seqlens, max_len, scale):
 
 
 @jit
-def _dot(a, b, EXACT_FP32: tl.constexpr):
-    """a @ b, fp32 accumulation. EXACT_FP32: on fp32 copies without tf32, for fp32 inputs and
-    under the interpreter (whose dot multiplies bf16 bit patterns as integers); bf16 products are
-    exact in fp32, so that differs from the tensor cores only in summation order."""
+def _dot(a, b, acc, EXACT_FP32: tl.constexpr):
+    """acc + a @ b in fp32 (acc None: a @ b). EXACT_FP32: on fp32 copies without tf32, for fp32
+    inputs and under the interpreter (whose dot multiplies bf16 bit patterns as integers); bf16
+    products are exact in fp32, so that differs from the tensor cores only in summation order."""
     if EXACT_FP32:
-        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
-        c = tl.dot(a, b)
+        c = tl.dot(a, b, acc)
     return c
 
 
@@ -291,19 +293,19 @@ def _online_softmax_step(q, k, v, k_scale, v_scale, m, l, acc, scale_log2e, visi
     """One key tile of an online softmax (exp2 domain): the running max m, sum l and output acc,
     updated with the keys `visible` [rows, keys] (MASKED) or with all of them. SCALED: k and v are
     an FP8 cache's values, k_scale and v_scale [keys] their rows' scales."""
-    s = _dot(q, tl.trans(k), EXACT_FP32)
+    s = _dot(q, tl.trans(k), None, EXACT_FP32)
     if SCALED:
         s = s * k_scale[None, :]
-    s = s * scale_log2e
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
+    # m is kept in the exp2 domain (scaled); the scale folds into one multiply-add per score
+    m_new = tl.maximum(m, tl.max(s, axis=1) * scale_log2e)
     alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    p = tl.exp2(s * scale_log2e - m_new[:, None])
     l = l * alpha + tl.sum(p, axis=1)
     if SCALED:
         p = p * v_scale[None, :]
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, EXACT_FP32)
+    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], EXACT_FP32)   # the MMA accumulates into acc
     return m_new, l, acc
 
 
@@ -333,8 +335,10 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, 
                     c_stride_block, c_stride_row, c_stride_head, bt_stride, n_seqs, n_heads,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEQ_CHUNK: tl.constexpr,
-                    KV_FP8: tl.constexpr, EXACT_FP32: tl.constexpr):
-    pid = tl.program_id(0)
+                    HAS_PREFIX: tl.constexpr, KV_FP8: tl.constexpr, EXACT_FP32: tl.constexpr):
+    # Query blocks in reverse: a sequence's last blocks, which see the most keys, start first, and
+    # the short ones fill the last wave.
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
     # the sequence that owns query block `pid`: the count of sequences whose running total of
@@ -361,21 +365,26 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, 
     # tile and the diagonal tiles mask. The first tile holds a key every row sees (prefix key 0, or
     # chunk key row0 <= row), so each row's running max is finite from the first tile on.
 
-    # 1. the cached prefix, through the block table: every query sees all of it
-    full = prefix // BLOCK_N * BLOCK_N
-    for n0 in range(0, full, BLOCK_N):
-        k, v, k_scale, v_scale = _cached_tile(
-            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr + seq * bt_stride, n0, prefix, d,
-            kv_head, c_stride_block, c_stride_row, c_stride_head, q.dtype, BLOCK_N, PAGE, False, KV_FP8, HEAD_DIM)
-        m, l, acc = _online_softmax_step(q, k, v, k_scale, v_scale, m, l, acc, scale_log2e, None, False, KV_FP8,
-                                         EXACT_FP32)
-    for n0 in range(full, prefix, BLOCK_N):   # the partial last tile
-        k, v, k_scale, v_scale = _cached_tile(
-            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr + seq * bt_stride, n0, prefix, d,
-            kv_head, c_stride_block, c_stride_row, c_stride_head, q.dtype, BLOCK_N, PAGE, True, KV_FP8, HEAD_DIM)
-        n = n0 + tl.arange(0, BLOCK_N)
-        m, l, acc = _online_softmax_step(q, k, v, k_scale, v_scale, m, l, acc, scale_log2e, (n < prefix)[None, :],
-                                         True, KV_FP8, EXACT_FP32)
+    # 1. the cached prefix, through the block table: every query sees all of it. HAS_PREFIX False
+    #    (the host knows no chunk has one) compiles without these loops, which cost the fresh
+    #    prompts' loops below registers and time even when they never run.
+    if HAS_PREFIX:
+        full = prefix // BLOCK_N * BLOCK_N
+        for n0 in range(0, full, BLOCK_N):
+            k, v, k_scale, v_scale = _cached_tile(
+                k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr + seq * bt_stride, n0, prefix,
+                d, kv_head, c_stride_block, c_stride_row, c_stride_head, q.dtype, BLOCK_N, PAGE, False, KV_FP8,
+                HEAD_DIM)
+            m, l, acc = _online_softmax_step(q, k, v, k_scale, v_scale, m, l, acc, scale_log2e, None, False, KV_FP8,
+                                             EXACT_FP32)
+        for n0 in range(full, prefix, BLOCK_N):   # the partial last tile
+            k, v, k_scale, v_scale = _cached_tile(
+                k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr + seq * bt_stride, n0, prefix,
+                d, kv_head, c_stride_block, c_stride_row, c_stride_head, q.dtype, BLOCK_N, PAGE, True, KV_FP8,
+                HEAD_DIM)
+            n = n0 + tl.arange(0, BLOCK_N)
+            m, l, acc = _online_softmax_step(q, k, v, k_scale, v_scale, m, l, acc, scale_log2e,
+                                             (n < prefix)[None, :], True, KV_FP8, EXACT_FP32)
 
     # 2. this chunk's own keys: those before the block's first query row0 (BLOCK_N divides BLOCK_M)
     #    are seen by every row, then the diagonal tiles, causal (query i sees keys 0..i)
@@ -407,8 +416,7 @@ DECODE_TILING = {"model dtype": (64, 3), "fp8": (128, 2)}
 MAX_DECODE_SPLITS = 64   # splits of one sequence's context, at most (decode_splits)
 SEQ_CHUNK = 64           # sequences the prefill kernel's owner search reads at a time
 PREFILL_BLOCK_M = 128     # queries per program of the prefill kernel
-LONG_PREFIX = 2048        # cached tokens from which the prefill kernel pipelines 3 key tiles deep
-FRESH_PROMPT_LEN = 512    # prompts without a prefix averaging this long take the prefill kernel, not FA2
+FRESH_PROMPT_LEN = 256    # prompts without a prefix averaging this long take the prefill kernel, not FA2
 
 
 def prefill_takes_flash(q: torch.Tensor, max_prefix: int, num_tokens: int, num_seqs: int) -> bool:
@@ -418,14 +426,17 @@ def prefill_takes_flash(q: torch.Tensor, max_prefix: int, num_tokens: int, num_s
     return not max_prefix and flash_runs(q) and num_tokens < FRESH_PROMPT_LEN * num_seqs
 
 
-def prefill_tiling(dtype: torch.dtype, max_prefix: int = 0) -> tuple[int, int]:
-    """Keys per tile (a divisor of PREFILL_BLOCK_M) and pipeline stages of the prefill kernel, by the
-    longest cached prefix of the step: 16-bit K/V in 128-key tiles (fp32, twice the bytes, in 64-key
-    tiles to fit shared memory); 3 stages where a chunk attends to a long prefix, else 2 (the fastest
-    of 64 / 128 keys x 2 / 3 / 4 stages on each side of LONG_PREFIX, BENCHMARKS.md)."""
+def prefill_tiling(dtype: torch.dtype, fresh: bool, fp8_cache: bool) -> tuple[int, int]:
+    """Keys per tile (a divisor of PREFILL_BLOCK_M) and pipeline stages of the prefill kernel: 16-bit
+    K/V of fresh prompts (no chunk has a cached prefix) in 64-key tiles 3 deep; with a prefix in
+    128-key tiles, 3 deep from a 16-bit cache and 2 from an FP8 one (its tiles convert in registers);
+    fp32 (twice the bytes) in 64-key tiles 2 deep, to fit shared memory. Each is the fastest of 64 /
+    128 keys x 2 / 3 / 4 stages in its regime (BENCHMARKS.md, "Prefill attention")."""
     if dtype == torch.float32:
         return 64, 2
-    return 128, 3 if max_prefix >= LONG_PREFIX else 2
+    if fresh:
+        return 64, 3
+    return 128, 2 if fp8_cache else 3
 
 
 def _exact_fp32_dot(dtype):
@@ -489,7 +500,7 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, sca
 
 
 def prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale,
-                             max_prefix: int = 0, out=None, block_ends=None, kv_scales=None):
+                             max_prefix: int | None = None, out=None, block_ends=None, kv_scales=None):
     t, nh, hd = q.shape
     nkv = k.shape[1]
     n_seqs = context_lens.shape[0]
@@ -510,15 +521,15 @@ def prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables, 
         q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
         block_ends = torch.cumsum((q_lens + PREFILL_BLOCK_M - 1) // PREFILL_BLOCK_M, 0).to(torch.int32)
     grid = (triton.cdiv(t, PREFILL_BLOCK_M) + n_seqs, nh)
-    block_n, stages = prefill_tiling(q.dtype, max_prefix)
+    block_n, stages = prefill_tiling(q.dtype, max_prefix == 0, kv_scales is not None)
     _prefill_kernel[grid](
         q, k, v, k_cache, v_cache, *(kv_scales or (k_cache, v_cache)), block_tables, cu_seqlens_q, context_lens,
         block_ends, out,
         scale * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), n_seqs, nh,
         GROUP=nh // nkv, HEAD_DIM=hd, PAGE=k_cache.shape[1], BLOCK_M=PREFILL_BLOCK_M,
-        BLOCK_N=block_n, SEQ_CHUNK=SEQ_CHUNK, KV_FP8=kv_scales is not None, EXACT_FP32=_exact_fp32_dot(q.dtype),
-        num_warps=8 if hd > 64 else 4, num_stages=stages)
+        BLOCK_N=block_n, SEQ_CHUNK=SEQ_CHUNK, HAS_PREFIX=max_prefix != 0, KV_FP8=kv_scales is not None,
+        EXACT_FP32=_exact_fp32_dot(q.dtype), num_warps=8 if hd > 64 else 4, num_stages=stages)
     return out
 
 
@@ -541,9 +552,9 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, new
 def compile_step_kernels(k_cache, v_cache, kv_scales, num_heads: int, dtype: torch.dtype, block: int) -> None:
     """Compile, before serving, the attention binaries a step launches outside its CUDA graphs: the
     decode kernel for a mixed step's decode rows (their K/V stored by the graph pieces: no RoPE),
-    the merge for each split count, and the prefill kernel in both of its tilings (a short and a
-    LONG_PREFIX cached prefix). The decode graphs' capture compiles the decode kernel with RoPE
-    (with graphs off, the first decode step does). Every key read is in `block` of the cache (the
+    the merge for each split count, and the prefill kernel for fresh prompts and for chunks after a
+    cached prefix. The decode graphs' capture compiles the decode kernel with RoPE (with graphs off,
+    the first decode step does). Every key read is in `block` of the cache (the
     engine's scratch block); the outputs are dropped. A no-op where the Triton kernels do not run.
     kv_scales: (k_scale, v_scale) of an FP8 cache, else None; dtype: the model's."""
     _, page, nkv, hd = k_cache.shape
@@ -559,7 +570,7 @@ def compile_step_kernels(k_cache, v_cache, kv_scales, num_heads: int, dtype: tor
         return tables, torch.tensor([context], dtype=torch.int32, device=device)
 
     cu = torch.tensor([0, 1], dtype=torch.int32, device=device)
-    for prefix in (1, LONG_PREFIX):
+    for prefix in (0, 1):
         tables, ctx = one_sequence(prefix + 1)
         prefill_attention_triton(q, kv, kv, cu, ctx, tables, k_cache, v_cache, 1.0, prefix, kv_scales=kv_scales)
     tables, ctx = one_sequence(2)
@@ -568,8 +579,10 @@ def compile_step_kernels(k_cache, v_cache, kv_scales, num_heads: int, dtype: tor
 
 
 def prefill_attention(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale,
-                      max_prefix: int = 0, out=None, block_ends=None, kv_scales=None):
-    """max_prefix: the step's longest cached prefix (from the host), which picks the kernel's tiling.
+                      max_prefix: int | None = None, out=None, block_ends=None, kv_scales=None):
+    """max_prefix: the step's longest cached prefix (from the host), which picks the kernel's tiling;
+    0 promises that no chunk has one (the kernel then compiles without the prefix loops), None: not
+    known.
     out: where the result goes (contiguous, q's shape), else a new tensor. block_ends: int32 [P],
     the running count of each sequence's ceil(q_len / PREFILL_BLOCK_M) query blocks, where the
     caller has it (engine/batch.py counts it once per step). kv_scales: (k_scale, v_scale) of an
