@@ -4,13 +4,16 @@ For 1, 64 and 8192 tokens: fused residual-add + RMSNorm (bf16 out and FP8 out), 
 (bf16 out and FP8 out) and RoPE; each kernel's median time, the bytes it must move (every input
 read once, every output written once), achieved GB/s and its fraction of the device-to-device copy
 bandwidth measured in the same run. Decode attention over the paged cache at batch 1, 64 and 256,
-against gather + SDPA, and over the same cache in FP8 (kv_cache_dtype="fp8"). Then the bytes that
+against gather + SDPA, and over the same cache in FP8 (kv_cache_dtype="fp8"). Prefill attention
+over packed prompts and over chunks after a cached prefix, in TFLOP/s against the bf16 GEMM
+ceiling measured in the run, beside FlashAttention-2 on the fresh prompts. Then the bytes that
 recompute-instead-of-store saves per layer per token (counted, not timed), and a small sweep of
 launch configurations.
 
     python benchmarks/bench_fused.py            # correctness checks, then the tables
     python benchmarks/bench_fused.py --check    # correctness checks only
     python benchmarks/bench_fused.py --decode   # decode attention only (its checks and table)
+    python benchmarks/bench_fused.py --prefill  # prefill attention only (its checks and table)
 
 Times are medians of benchmarks/timing.py `cold_ms`: L2 is evicted by reading 256 MB before every
 timed call, so inputs come from HBM, not L2 (a flush that writes, as triton.testing.do_bench's
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import math
 import sys
 import traceback
@@ -32,6 +36,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.batch import query_block_ends  # noqa: E402
 from engine.kernels import attention, norms, rope, swiglu  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -44,6 +49,15 @@ DEVICE = "cuda"
 TOKENS = (1, 64, 8192)
 DECODE_CASES = [(1, 1024), (1, 4096), (64, 1024), (64, 4096), (256, 640)]    # (batch, context)
 BLOCK_SIZE = 16
+# Prefill attention: (what, chunk lengths, the cached prefix before each chunk)
+PREFILL_CASES = [("4 prompts of 2,048", [2048] * 4, [0] * 4), ("1 prompt of 8,192", [8192], [0]),
+                 ("16 prompts of 512", [512] * 16, [0] * 16), ("32 prompts of 256", [256] * 32, [0] * 32),
+                 ("64 prompts of 128", [128] * 64, [0] * 64),
+                 ("5 prompts of 100 to 3,000", [100, 3000, 700, 1500, 2892], [0] * 5),
+                 ("1 chunk of 8,192 after 8,192", [8192], [8192]),
+                 ("8 chunks of 1,024 after 512", [1024] * 8, [512] * 8),
+                 ("64 chunks of 16 after 1,000", [16] * 64, [1000] * 64)]
+PREFILL_CHECKS = [([300, 129, 40], [0, 0, 0]), ([300, 129, 40], [1000, 256, 0])]
 BF16_BOUND = 1e-2       # bf16 outputs (and bf16 P in P @ V) vs an fp32-math reference
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}
@@ -141,6 +155,32 @@ def decode_bytes(batch, ctx, fp8=False):
             + batch * (ctx // BLOCK_SIZE) * 4 + batch * 4)
 
 
+def prefill_inputs(q_lens, prefixes):
+    """A prefill step's attention inputs: q, k, v as views of one packed qkv buffer (as the model's
+    projection hands them over), each chunk's prefix in a random paged cache behind shuffled block
+    tables, cu_seqlens, context lengths and the query blocks' running count (as engine/batch.py)."""
+    ctx = [q + p for q, p in zip(q_lens, prefixes)]
+    blocks = [-(-c // BLOCK_SIZE) for c in ctx]
+    k_cache = torch.randn(sum(blocks), BLOCK_SIZE, N_KV, HEAD_DIM, device=DEVICE, dtype=BF16)
+    v_cache = torch.randn_like(k_cache)
+    order = torch.randperm(sum(blocks), device=DEVICE).to(torch.int32)
+    tables = torch.zeros(len(ctx), max(blocks), dtype=torch.int32, device=DEVICE)
+    for i, start in enumerate(itertools.accumulate([0] + blocks[:-1])):
+        tables[i, :blocks[i]] = order[start:start + blocks[i]]
+    qkv = torch.randn(sum(q_lens), N_HEADS + 2 * N_KV, HEAD_DIM, device=DEVICE, dtype=BF16)
+    q, k, v = qkv.split([N_HEADS, N_KV, N_KV], dim=1)
+    cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=DEVICE)
+    ends = torch.tensor(query_block_ends(q_lens), dtype=torch.int32, device=DEVICE)
+    return q, k, v, cu, torch.tensor(ctx, dtype=torch.int32, device=DEVICE), tables, k_cache, v_cache, ends
+
+
+def prefill_flops(q_lens, prefixes):
+    """2 x 2 x head_dim per visible (query, key) pair and query head: each query sees the prefix and
+    the chunk's keys up to its own."""
+    pairs = sum(n * p + n * (n + 1) // 2 for n, p in zip(q_lens, prefixes))
+    return 4 * HEAD_DIM * N_HEADS * pairs
+
+
 # --------------------------------------------------------------------------------------------------
 # correctness at the benchmark shapes
 
@@ -217,14 +257,30 @@ def fp8_decode_error(q, kc, vc, tables, lens):
     return rel_err(out, ref), BF16_BOUND
 
 
-def check(decode_only=False):
+def check_prefill_case(q_lens, prefixes):
+    q, k, v, cu, ctx, tables, kc, vc, ends = prefill_inputs(q_lens, prefixes)
+    scale, what = HEAD_DIM ** -0.5, "prefix" if any(prefixes) else "fresh prompts"
+    ref = attention.prefill_attention_ref(q, k, v, cu, ctx, tables, kc, vc, scale)
+    kq, vq, scales = fp8_cache(kc, vc)
+    ref_fp8 = attention.prefill_attention_ref(q, k, v, cu, ctx, tables, kq, vq, scale, scales)
+    return [(f"prefill attn, {what}", lambda: (rel_err(attention.prefill_attention_triton(
+                q, k, v, cu, ctx, tables, kc, vc, scale, max(prefixes), block_ends=ends), ref), BF16_BOUND)),
+            (f"prefill attn, {what}, FP8 cache (vs its fp32 reference)", lambda: (rel_err(
+                attention.prefill_attention_triton(q, k, v, cu, ctx, tables, kq, vq, scale, max(prefixes),
+                                                   block_ends=ends, kv_scales=scales), ref_fp8), BF16_BOUND))]
+
+
+def check(decode_only=False, prefill_only=False):
     """Fused vs reference at the benchmark's shapes; prints a table, returns the number of failures."""
     failures = 0
     print("\n## correctness (relative error ||out-ref|| / ||ref||)\n")
     print("| kernel | M | rel err | bound | |")
     print("| --- | ---: | ---: | ---: | --- |")
-    groups = [] if decode_only else [(m, lambda m=m: check_cases(m)) for m in TOKENS]
-    groups += [(b, lambda b=b, c=c: check_decode_case(b, c)) for b, c in DECODE_CASES]
+    groups = [] if decode_only or prefill_only else [(m, lambda m=m: check_cases(m)) for m in TOKENS]
+    if not prefill_only:
+        groups += [(b, lambda b=b, c=c: check_decode_case(b, c)) for b, c in DECODE_CASES]
+    if not decode_only:
+        groups += [(sum(n), lambda n=n, p=p: check_prefill_case(n, p)) for n, p in PREFILL_CHECKS]
     for m, make in groups:
         for name, run in make():
             try:
@@ -291,6 +347,36 @@ def bench_decode(copy_gbs):
               f"| {100 * gbs / copy_gbs:.0f}% | {flops / t_fused / 1e9:.2f} | {t_base * 1e3:.1f} "
               f"| {t_base / t_fused:.2f} | {fp8_bytes / 1e6:.1f} MB | {t_fp8 * 1e3:.1f} | {fp8_gbs:.0f} "
               f"| {100 * fp8_gbs / copy_gbs:.0f}% | {t_fused / t_fp8:.2f} |", flush=True)
+
+
+def bf16_gemm_tflops():
+    a, b = (torch.randn(8192, 8192, device=DEVICE, dtype=BF16) for _ in range(2))
+    return 2 * 8192 ** 3 / bench_ms(lambda: a @ b) / 1e9
+
+
+def bench_prefill(copy_gbs):
+    ceiling = bf16_gemm_tflops()
+    print(f"\n## prefill attention over packed rows (32/8 heads x 128, bf16, block 16; medians after an L2 "
+          f"eviction by reading; bf16 GEMM ceiling {ceiling:.0f} TFLOP/s at 8192^3 in this run)\n")
+    print("| rows | tiling (keys, stages) | TFLOP | us | TFLOP/s | % ceiling | FlashAttention-2 us | x FA2 "
+          "| FP8 cache us |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    scale = HEAD_DIM ** -0.5
+    for what, q_lens, prefixes in PREFILL_CASES:
+        q, k, v, cu, ctx, tables, kc, vc, ends = prefill_inputs(q_lens, prefixes)
+        fresh = not any(prefixes)
+        flops = prefill_flops(q_lens, prefixes)
+        t = bench_ms(lambda: attention.prefill_attention_triton(q, k, v, cu, ctx, tables, kc, vc, scale,
+                                                                max(prefixes), block_ends=ends))
+        t_fa = (bench_ms(lambda: attention.prefill_attention_flash(q, k, v, cu, max(q_lens), scale))
+                if fresh else float("nan"))
+        kq, vq, scales = fp8_cache(kc, vc)
+        t_fp8 = (float("nan") if fresh else bench_ms(lambda: attention.prefill_attention_triton(
+            q, k, v, cu, ctx, tables, kq, vq, scale, max(prefixes), block_ends=ends, kv_scales=scales)))
+        tiling = attention.prefill_tiling(BF16, fresh, False)
+        tflops = flops / t / 1e9
+        print(f"| {what} | {tiling[0]}, {tiling[1]} | {flops / 1e12:.3f} | {t * 1e3:.1f} | {tflops:.0f} "
+              f"| {100 * tflops / ceiling:.0f}% | {t_fa * 1e3:.1f} | {t_fa / t:.2f} | {t_fp8 * 1e3:.1f} |", flush=True)
 
 
 def print_recompute_savings():
@@ -377,6 +463,7 @@ def main():
     parser.add_argument("--check", action="store_true", help="run the correctness checks only")
     parser.add_argument("--no-sweep", action="store_true", help="skip the launch-configuration sweep")
     parser.add_argument("--decode", action="store_true", help="decode attention only: its checks and table")
+    parser.add_argument("--prefill", action="store_true", help="prefill attention only: its checks and table")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_fused.py needs a CUDA GPU")
@@ -385,18 +472,19 @@ def main():
     torch._dynamo.config.recompile_limit = 64   # one compiled graph per (variant, shape)
     print(f"# bench_fused: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
-    failures = check(decode_only=args.decode)
+    failures = check(decode_only=args.decode, prefill_only=args.prefill)
     if not args.check:
         copy_gbs = copy_bandwidth_gbs()
         print(f"\nHBM copy bandwidth (1 GiB device-to-device, read + write): {copy_gbs:.0f} GB/s")
-        stages = [bench_decode] if args.decode else [bench_kernels, bench_decode] + ([] if args.no_sweep else [sweep])
+        stages = ([bench_decode] if args.decode else [bench_prefill] if args.prefill else
+                  [bench_kernels, bench_decode, bench_prefill] + ([] if args.no_sweep else [sweep]))
         for stage in stages:
             try:
                 stage(copy_gbs)
             except Exception:   # report, keep going with the next table
                 traceback.print_exc()
                 failures += 1
-        if not args.decode:
+        if not args.decode and not args.prefill:
             print_recompute_savings()
             measure_recompute_savings(copy_gbs)
     if failures:
