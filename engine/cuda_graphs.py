@@ -24,6 +24,7 @@ import bisect
 import torch
 
 from engine.batch import Batch
+from engine.kernels.decode_inputs import stage_decode_inputs
 from engine.kernels.platform import capture
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -75,8 +76,14 @@ class DecodeGraphs:
                      prefill_max_prefix=0, num_decodes=b, decode_context_lens=self.context_lens[:b],
                      decode_block_tables=self.block_tables[:b], logits_indices=empty, sampled=[])
 
+    def _buffers(self) -> tuple:
+        return self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.block_tables
+
     @torch.inference_mode()
     def capture(self) -> None:
+        # The input staging kernel's one binary, compiled now rather than at the first decode step.
+        stage_decode_inputs(self._buffers(), tuple(t[:1] for t in self._buffers()), 1, self.scratch_slot,
+                            self.scratch_block)
         # Largest first, so smaller graphs reuse its memory pool.
         dev = self.input_ids.device
         for b in sorted(self.buckets, reverse=True):
@@ -101,16 +108,11 @@ class DecodeGraphs:
         """Replay the graph for a pure-decode batch; returns the logits of its rows [B, vocab]."""
         n = batch.num_decodes
         b = self.bucket(n)
-        width = batch.decode_block_tables.shape[1]
-        self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
-        self.positions[:n].copy_(batch.positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
-        self.context_lens[:n].copy_(batch.decode_context_lens, non_blocking=True)
-        self.block_tables[:n, :width].copy_(batch.decode_block_tables, non_blocking=True)
-        # Rows n..b were left by an earlier, larger step: point them back at the scratch block.
-        self.slot_mapping[n:b].fill_(self.scratch_slot)
-        self.context_lens[n:b].fill_(1)
-        self.block_tables[n:b].fill_(self.scratch_block)
+        # The rows into the static buffers; rows n..b, left by an earlier, larger step, back to the
+        # scratch block. One launch (engine/kernels/decode_inputs.py).
+        stage_decode_inputs(self._buffers(), (batch.input_ids, batch.positions, batch.slot_mapping,
+                                              batch.decode_context_lens, batch.decode_block_tables),
+                            b, self.scratch_slot, self.scratch_block)
         self.graphs[b].replay()
         return self.logits[b][:n]
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import engine.kernels.attention as attention
+import engine.kernels.decode_inputs as decode_inputs
 import engine.kernels.norms as norms
 import engine.kernels.rope as rope
 import engine.kernels.swiglu as swiglu
@@ -709,7 +710,11 @@ def test_gpu_attention_kernels_compile_once_for_every_step_shape():
                   torch.randn(rows, nkv, hd, device=DEVICE, dtype=dtype), inv_freq) if rope_rows else None
         attention.decode_attention(qd, k_cache, v_cache, tables[rows:], ctx[rows:], hd ** -0.5, new_kv)
 
-    step(1, 5, rope_rows=True)            # what the decode graphs' capture compiles
+    # What the decode graphs' capture compiles: RoPE rows, with the context split (small buckets) and
+    # unsplit (large ones, where the kernel writes `out` itself: its partials' pointers are bf16 then,
+    # another binary).
+    step(1, 5, rope_rows=True)
+    step(70, 5, rope_rows=True)
     before = [compiled_binaries(kernel) for kernel in kernels]
     for rows, longest in [(1, 5), (2, 40), (3, 300), (7, 17), (16, 1000), (33, 260), (70, 64), (5, 2100)]:
         for rope_rows in (False, True):
@@ -928,3 +933,43 @@ def test_fp8_cache_needs_its_scales():
     bf16_cache = paged_cache(4, 16, 2, 64, torch.float32)
     with pytest.raises(ValueError, match="kv_scales"):
         attention.decode_attention(q, *bf16_cache, tables, ctx, 0.1, kv_scales=scales)
+
+
+# --------------------------------------------------------------------------------------------------
+# a decode step's inputs into its graph's static buffers
+
+
+def graph_buffers(size, width):
+    """Static buffers full of earlier steps' values (none is the scratch block's)."""
+    return (torch.randint(0, 1000, (size,), device=DEVICE), torch.randint(0, 1000, (size,), device=DEVICE),
+            torch.randint(0, 1000, (size,), device=DEVICE),
+            torch.randint(2, 1000, (size,), device=DEVICE, dtype=torch.int32),
+            torch.randint(0, 1000, (size, width), device=DEVICE, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("n,rows,width", [(3, 8, 5), (8, 8, 300), (1, 16, 1)])
+def test_stage_decode_inputs(n, rows, width):
+    """Rows < n take the step's values (only the first `width` table columns), rows n..rows-1 point
+    at the scratch block, rows past `rows` and table columns past `width` keep what they held: the
+    kernel's buffers equal the eight torch ops', element for element."""
+    size, buf_width, scratch_slot, scratch_block = 20, 320, 7 * 16, 7
+    src = (torch.randint(0, 1000, (n,), device=DEVICE), torch.randint(0, 1000, (n,), device=DEVICE),
+           torch.randint(0, 1000, (n,), device=DEVICE),
+           torch.randint(2, 1000, (n,), device=DEVICE, dtype=torch.int32),
+           torch.randint(0, 1000, (3 * n, width), device=DEVICE, dtype=torch.int32)[::3])   # rows apart
+    mine = graph_buffers(size, buf_width)
+    want = tuple(t.clone() for t in mine)
+    decode_inputs.stage_decode_inputs(mine, src, rows, scratch_slot, scratch_block)
+    decode_inputs.stage_decode_inputs_ref(want, src, rows, scratch_slot, scratch_block)
+    for name, a, b in zip(("input_ids", "positions", "slot_mapping", "context_lens", "block_tables"), mine, want):
+        assert torch.equal(a, b), name
+    assert (want[2][n:rows] == scratch_slot).all() and (want[4][n:rows] == scratch_block).all()
+
+
+def test_stage_decode_inputs_refuses_what_does_not_fit():
+    dst = graph_buffers(8, 16)
+    src = graph_buffers(4, 32)
+    with pytest.raises(ValueError, match="width 32"):
+        decode_inputs.stage_decode_inputs(dst, src, 8, 0, 0)
+    with pytest.raises(ValueError, match="into 2"):
+        decode_inputs.stage_decode_inputs(dst, graph_buffers(4, 8), 2, 0, 0)
