@@ -521,14 +521,15 @@ def prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables, 
         q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
         block_ends = torch.cumsum((q_lens + PREFILL_BLOCK_M - 1) // PREFILL_BLOCK_M, 0).to(torch.int32)
     grid = (triton.cdiv(t, PREFILL_BLOCK_M) + n_seqs, nh)
-    block_n, stages = prefill_tiling(q.dtype, max_prefix == 0, kv_scales is not None)
+    fresh = max_prefix == 0          # the host's promise: no chunk has a cached prefix
+    block_n, stages = prefill_tiling(q.dtype, fresh, kv_scales is not None)
     _prefill_kernel[grid](
         q, k, v, k_cache, v_cache, *(kv_scales or (k_cache, v_cache)), block_tables, cu_seqlens_q, context_lens,
         block_ends, out,
         scale * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), n_seqs, nh,
         GROUP=nh // nkv, HEAD_DIM=hd, PAGE=k_cache.shape[1], BLOCK_M=PREFILL_BLOCK_M,
-        BLOCK_N=block_n, SEQ_CHUNK=SEQ_CHUNK, HAS_PREFIX=max_prefix != 0, KV_FP8=kv_scales is not None,
+        BLOCK_N=block_n, SEQ_CHUNK=SEQ_CHUNK, HAS_PREFIX=not fresh, KV_FP8=kv_scales is not None,
         EXACT_FP32=_exact_fp32_dot(q.dtype), num_warps=8 if hd > 64 else 4, num_stages=stages)
     return out
 
