@@ -2,8 +2,8 @@
 
 Prefill chunks come first, back to back, described by their offsets (cu_seqlens): attention runs
 over the packed rows with those offsets (flash attention's variable-length kernel), so
-variable-length prompts need no padding. Decodes (one token per sequence) follow, with their block
-tables and context lengths.
+variable-length prompts need no padding. Decodes (one token per sequence) follow, longest context
+first, with their block tables and context lengths.
 
 `plan_batch` lays a step out on the host as plain lists (the engine packs them into a pinned slot and
 uploads them in one copy); `BatchPlan.batch` wraps the uploaded tensors as the `Batch` the model
@@ -91,7 +91,9 @@ def query_block_ends(lens: list[int]) -> list[int]:
 def plan_batch(scheduled: list[ScheduledSeq], block_size: int, pending: dict | None = None) -> BatchPlan:
     """pending: sequence -> row of the in-flight step's sampled tokens that holds its last token."""
     prefills = [s for s in scheduled if s.num_tokens > 1]
-    decodes = [s for s in scheduled if s.num_tokens == 1]
+    # Decode rows longest context first: the decode attention starts its programs in row order, so
+    # the longest start first and the short ones fill the end (no long straggler in a last wave).
+    decodes = sorted((s for s in scheduled if s.num_tokens == 1), key=lambda s: s.start, reverse=True)
     bs = block_size
     # Rows as int64 arrays: one per prefill chunk (no Python object per token), then one for all the
     # decode rows, built by scalar arithmetic (cheaper than any array set-up for a single token).

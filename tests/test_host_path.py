@@ -121,6 +121,30 @@ def test_the_layout_of_a_mixed_step():
     assert f["prefill_block_ends"] == [1, 2] and plan.fields["prefill_block_ends"][1] == torch.int32
 
 
+def test_decode_rows_come_longest_context_first():
+    """Decodes scheduled in arrival order (contexts 3, 9, 5, 9) are laid out longest first, ties in
+    arrival order, and everything per row (tokens, slots, tables, sampled rows, the fill from the
+    step in flight) follows its sequence; the prefill chunk stays in front."""
+    bs = 4
+    prompt = _seq("p", [1, 2, 3], [], [1], 0)
+    short = _seq("s", [7, 7], [71], [2], 2)                         # context 3
+    long_a = _seq("a", [5] * 8, [PLACEHOLDER], [3, 4, 5], 8)          # context 9, token on the device
+    mid = _seq("m", [6] * 4, [61], [6, 9], 4)                         # context 5
+    long_b = _seq("b", [4] * 8, [41], [10, 11, 12], 8)                # context 9
+    sched = [ScheduledSeq(short, 2, 1), ScheduledSeq(prompt, 0, 3), ScheduledSeq(long_a, 8, 1),
+             ScheduledSeq(mid, 4, 1), ScheduledSeq(long_b, 8, 1)]
+    plan = plan_batch(sched, bs, pending={long_a: 2})
+    f = {k: v.tolist() if hasattr(v, "tolist") else v for k, (v, _) in plan.fields.items()}
+    assert [s.seq.request_id for s in plan.sampled] == ["p", "a", "b", "m", "s"]
+    assert f["context_lens"] == [3, 9, 9, 5, 3]
+    assert f["input_ids"] == [1, 2, 3, PLACEHOLDER, 41, 61, 71]
+    assert f["positions"] == [0, 1, 2, 8, 8, 4, 2]
+    assert f["slot_mapping"] == [4, 5, 6, 20, 48, 36, 10]
+    assert f["block_tables"] == [[1, 0, 0], [3, 4, 5], [10, 11, 12], [6, 9, 0], [2, 0, 0]]
+    assert f["logits_indices"] == [2, 3, 4, 5, 6]
+    assert f["fill_rows"] == [3] and f["fill_src"] == [2]
+
+
 def test_the_prefill_kernels_query_blocks_are_counted_on_the_host():
     """Chunks of 2, BLOCK_M, BLOCK_M + 1 and 3 * BLOCK_M tokens: 1, 1, 2 and 3 query blocks."""
     from engine.kernels.attention import PREFILL_BLOCK_M as m

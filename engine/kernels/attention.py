@@ -11,9 +11,12 @@ whose `write_kv_ref` is the reference), and the decode kernel its own rows'.
 - `decode_attention`: one program per (sequence, KV head, split of the context). The query heads
   that share a KV head are processed together as the rows of one tile, so each K/V row is read
   from HBM once per KV head (GQA); long contexts are split across programs to fill the GPU and a
-  second kernel merges the splits' partial softmaxes. fp32 softmax, online (exp2 domain). Given
-  the rows' new k and v (`new_kv`), the kernel also applies RoPE to q and k, with the RoPE
-  kernel's arithmetic (the same bits), and stores k and v in the cache: decode needs no RoPE launch.
+  second kernel merges the splits' partial softmaxes. A sequence's KV heads are adjacent in the
+  launch order and sequences follow in row order: rows given longest context first (as the engine
+  lays out a step) run longest first, so unequal contexts leave no long program to run alone at
+  the end. fp32 softmax, online (exp2 domain). Given the rows' new k and v (`new_kv`), the kernel
+  also applies RoPE to q and k, with the RoPE kernel's arithmetic (the same bits), and stores k and
+  v in the cache: decode needs no RoPE launch.
 - `prefill_attention_flash`: short prompts with no cached prefix, in bf16/fp16 on sm_80+:
   FlashAttention-2's variable-length kernel over the packed rows (cu_seqlens), GQA native
   (`prefill_takes_flash` says when).
@@ -210,8 +213,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, 
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_N: tl.constexpr, ROPE: tl.constexpr, KV_FP8: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
                    EXACT_FP32: tl.constexpr):
-    seq = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq)
     # this split's keys: a BLOCK_N-aligned share of the context (empty for late splits of short ones)
@@ -485,7 +488,7 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, sca
         new = (k, v, inv_freq.to(q.device), k.stride(0), k.stride(1), v.stride(0), v.stride(1))
     else:    # unused pointers and strides: ROPE is off
         new = (q, q, q, 0, 0, 0, 0)
-    _decode_kernel[(b, nkv, splits)](
+    _decode_kernel[(nkv, b, splits)](
         q, *new[:3], k_cache, v_cache, *(kv_scales or (k_cache, v_cache)), block_tables, context_lens, out,
         part_acc, part_max, part_sum,
         scale * LOG2E, q.stride(0), q.stride(1), *new[3:], k_cache.stride(0), k_cache.stride(1),
