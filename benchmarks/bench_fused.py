@@ -4,7 +4,8 @@ For 1, 64 and 8192 tokens: fused residual-add + RMSNorm (bf16 out and FP8 out), 
 (bf16 out and FP8 out) and RoPE; each kernel's median time, the bytes it must move (every input
 read once, every output written once), achieved GB/s and its fraction of the device-to-device copy
 bandwidth measured in the same run. Decode attention over the paged cache at batch 1, 64 and 256,
-against gather + SDPA, and over the same cache in FP8 (kv_cache_dtype="fp8"). Prefill attention
+against gather + SDPA, and over the same cache in FP8 (kv_cache_dtype="fp8"); then with unequal
+contexts, rows in random order against longest first (the engine's layout). Prefill attention
 over packed prompts and over chunks after a cached prefix, in TFLOP/s against the bf16 GEMM
 ceiling measured in the run, beside FlashAttention-2 on the fresh prompts. Then the bytes that
 recompute-instead-of-store saves per layer per token (counted, not timed), and a small sweep of
@@ -48,6 +49,7 @@ BF16 = torch.bfloat16
 DEVICE = "cuda"
 TOKENS = (1, 64, 8192)
 DECODE_CASES = [(1, 1024), (1, 4096), (64, 1024), (64, 4096), (256, 640)]    # (batch, context)
+UNEVEN_CONTEXTS, UNEVEN_BATCHES = (100, 2048), (32, 64, 128, 256)
 BLOCK_SIZE = 16
 # Prefill attention: (what, chunk lengths, the cached prefix before each chunk)
 PREFILL_CASES = [("4 prompts of 2,048", [2048] * 4, [0] * 4), ("1 prompt of 8,192", [8192], [0]),
@@ -131,6 +133,18 @@ def decode_inputs(batch, ctx):
     ctx_lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEVICE)
     q = torch.randn(batch, N_HEADS, HEAD_DIM, device=DEVICE, dtype=BF16)
     return q, k_cache, v_cache, tables, ctx_lens
+
+
+def uneven_decode_inputs(batch, lo, hi, seed=0):
+    """decode_inputs with each context drawn uniformly from lo..hi (seeded), rows in that random
+    order: (q, k_cache, v_cache, tables, lens) with lens a CPU int32 tensor."""
+    lens = torch.randint(lo, hi + 1, (batch,), generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
+    width = (int(lens.max()) + BLOCK_SIZE - 1) // BLOCK_SIZE
+    k_cache = torch.randn(batch * width, BLOCK_SIZE, N_KV, HEAD_DIM, device=DEVICE, dtype=BF16)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(batch * width, device=DEVICE).to(torch.int32).view(batch, width)
+    q = torch.randn(batch, N_HEADS, HEAD_DIM, device=DEVICE, dtype=BF16)
+    return q, k_cache, v_cache, tables, lens
 
 
 def gather_sdpa(q, k_cache, v_cache, tables, ctx, scale):
@@ -250,6 +264,14 @@ def check_decode_case(batch, ctx):
                 q, kc, vc, tables, lens))]
 
 
+def check_uneven_decode_case():
+    q, kc, vc, tables, lens = uneven_decode_inputs(64, *UNEVEN_CONTEXTS)
+    lens = lens.to(DEVICE)
+    ref = attention.decode_attention_ref(q, kc, vc, tables, lens, HEAD_DIM ** -0.5)
+    return [(f"decode attn b64 ctx{UNEVEN_CONTEXTS[0]}..{UNEVEN_CONTEXTS[1]}", lambda: (rel_err(
+                attention.decode_attention_triton(q, kc, vc, tables, lens, HEAD_DIM ** -0.5), ref), BF16_BOUND))]
+
+
 def fp8_decode_error(q, kc, vc, tables, lens):
     kq, vq, scales = fp8_cache(kc, vc)
     ref = attention.decode_attention_ref(q, kq, vq, tables, lens, HEAD_DIM ** -0.5, kv_scales=scales)
@@ -279,6 +301,7 @@ def check(decode_only=False, prefill_only=False):
     groups = [] if decode_only or prefill_only else [(m, lambda m=m: check_cases(m)) for m in TOKENS]
     if not prefill_only:
         groups += [(b, lambda b=b, c=c: check_decode_case(b, c)) for b, c in DECODE_CASES]
+        groups += [(64, check_uneven_decode_case)]
     if not decode_only:
         groups += [(sum(n), lambda n=n, p=p: check_prefill_case(n, p)) for n, p in PREFILL_CHECKS]
     for m, make in groups:
@@ -347,6 +370,35 @@ def bench_decode(copy_gbs):
               f"| {100 * gbs / copy_gbs:.0f}% | {flops / t_fused / 1e9:.2f} | {t_base * 1e3:.1f} "
               f"| {t_base / t_fused:.2f} | {fp8_bytes / 1e6:.1f} MB | {t_fp8 * 1e3:.1f} | {fp8_gbs:.0f} "
               f"| {100 * fp8_gbs / copy_gbs:.0f}% | {t_fused / t_fp8:.2f} |", flush=True)
+
+
+def bench_uneven_decode(copy_gbs):
+    """Contexts uniform in 100..2,048 (as in serving's throughput set midway): the rows in random
+    order, then longest first, as engine/batch.py lays out a step (the kernel starts them in row
+    order)."""
+    lo, hi = UNEVEN_CONTEXTS
+    print(f"\n## decode attention, contexts uniform in {lo:,}..{hi:,} (32/8 heads x 128, blocks of 16; "
+          "medians after an L2 eviction by reading)\n")
+    print("| batch | bytes bf16 / FP8 | rows in random order: bf16 us (% copy BW) | longest first "
+          "| FP8 cache, random order | FP8 cache, longest first |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    scale = HEAD_DIM ** -0.5
+    for batch in UNEVEN_BATCHES:
+        q, kc, vc, tables, lens = uneven_decode_inputs(batch, lo, hi)
+        kq, vq, scales = fp8_cache(kc, vc)
+        cells = []
+        tokens = int(lens.sum())
+        nbytes = {False: 2 * tokens * N_KV * HEAD_DIM * 2, True: 2 * tokens * N_KV * (HEAD_DIM + 4)}
+        for fp8 in (False, True):
+            for order in (torch.arange(batch), lens.argsort(descending=True, stable=True)):
+                args = (q, kq, vq) if fp8 else (q, kc, vc)
+                rows = order.to(DEVICE)
+                qq, tt, ll = args[0][rows], tables[rows], lens[order].to(DEVICE)
+                t = bench_ms(lambda: attention.decode_attention_triton(
+                    qq, args[1], args[2], tt, ll, scale, kv_scales=scales if fp8 else None))
+                cells.append(f"{t * 1e3:.1f} ({100 * nbytes[fp8] / t / 1e6 / copy_gbs:.0f}%)")
+        print(f"| {batch} | {nbytes[False] / 1e6:.0f} / {nbytes[True] / 1e6:.0f} MB | " + " | ".join(cells) + " |",
+              flush=True)
 
 
 def bf16_gemm_tflops():
@@ -476,8 +528,9 @@ def main():
     if not args.check:
         copy_gbs = copy_bandwidth_gbs()
         print(f"\nHBM copy bandwidth (1 GiB device-to-device, read + write): {copy_gbs:.0f} GB/s")
-        stages = ([bench_decode] if args.decode else [bench_prefill] if args.prefill else
-                  [bench_kernels, bench_decode, bench_prefill] + ([] if args.no_sweep else [sweep]))
+        stages = ([bench_decode, bench_uneven_decode] if args.decode else [bench_prefill] if args.prefill else
+                  [bench_kernels, bench_decode, bench_uneven_decode, bench_prefill] +
+                  ([] if args.no_sweep else [sweep]))
         for stage in stages:
             try:
                 stage(copy_gbs)
