@@ -124,27 +124,26 @@ CASES = [
 ]
 
 
-def decode_inputs(batch, ctx):
-    blocks_per_seq = ctx // BLOCK_SIZE
-    num_blocks = batch * blocks_per_seq
-    k_cache = torch.randn(num_blocks, BLOCK_SIZE, N_KV, HEAD_DIM, device=DEVICE, dtype=BF16)
-    v_cache = torch.randn_like(k_cache)
-    tables = torch.randperm(num_blocks, device=DEVICE).to(torch.int32).view(batch, blocks_per_seq)
-    ctx_lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEVICE)
-    q = torch.randn(batch, N_HEADS, HEAD_DIM, device=DEVICE, dtype=BF16)
-    return q, k_cache, v_cache, tables, ctx_lens
-
-
-def uneven_decode_inputs(batch, lo, hi, seed=0):
-    """decode_inputs with each context drawn uniformly from lo..hi (seeded), rows in that random
-    order: (q, k_cache, v_cache, tables, lens) with lens a CPU int32 tensor."""
-    lens = torch.randint(lo, hi + 1, (batch,), generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
-    width = (int(lens.max()) + BLOCK_SIZE - 1) // BLOCK_SIZE
+def paged_decode_inputs(lens):
+    """A decode step's attention inputs for contexts `lens` (int32, one per row): q, a random paged
+    cache of as many blocks per row as the longest context needs behind shuffled block tables, and
+    the context lengths, all on the device."""
+    batch, width = len(lens), -(-int(lens.max()) // BLOCK_SIZE)
     k_cache = torch.randn(batch * width, BLOCK_SIZE, N_KV, HEAD_DIM, device=DEVICE, dtype=BF16)
     v_cache = torch.randn_like(k_cache)
     tables = torch.randperm(batch * width, device=DEVICE).to(torch.int32).view(batch, width)
     q = torch.randn(batch, N_HEADS, HEAD_DIM, device=DEVICE, dtype=BF16)
-    return q, k_cache, v_cache, tables, lens
+    return q, k_cache, v_cache, tables, lens.to(DEVICE)
+
+
+def decode_inputs(batch, ctx):
+    return paged_decode_inputs(torch.full((batch,), ctx, dtype=torch.int32))
+
+
+def uneven_decode_inputs(batch, lo, hi, seed=0):
+    """Contexts drawn uniformly from lo..hi (seeded), rows in that random order."""
+    gen = torch.Generator().manual_seed(seed)
+    return paged_decode_inputs(torch.randint(lo, hi + 1, (batch,), generator=gen, dtype=torch.int32))
 
 
 def gather_sdpa(q, k_cache, v_cache, tables, ctx, scale):
@@ -266,7 +265,6 @@ def check_decode_case(batch, ctx):
 
 def check_uneven_decode_case():
     q, kc, vc, tables, lens = uneven_decode_inputs(64, *UNEVEN_CONTEXTS)
-    lens = lens.to(DEVICE)
     ref = attention.decode_attention_ref(q, kc, vc, tables, lens, HEAD_DIM ** -0.5)
     return [(f"decode attn b64 ctx{UNEVEN_CONTEXTS[0]}..{UNEVEN_CONTEXTS[1]}", lambda: (rel_err(
                 attention.decode_attention_triton(q, kc, vc, tables, lens, HEAD_DIM ** -0.5), ref), BF16_BOUND))]
@@ -390,12 +388,11 @@ def bench_uneven_decode(copy_gbs):
         tokens = int(lens.sum())
         nbytes = {False: 2 * tokens * N_KV * HEAD_DIM * 2, True: 2 * tokens * N_KV * (HEAD_DIM + 4)}
         for fp8 in (False, True):
-            for order in (torch.arange(batch), lens.argsort(descending=True, stable=True)):
-                args = (q, kq, vq) if fp8 else (q, kc, vc)
-                rows = order.to(DEVICE)
-                qq, tt, ll = args[0][rows], tables[rows], lens[order].to(DEVICE)
+            k_cache, v_cache = (kq, vq) if fp8 else (kc, vc)
+            for rows in (torch.arange(batch, device=DEVICE), lens.argsort(descending=True, stable=True)):
+                qq, tt, ll = q[rows], tables[rows], lens[rows]
                 t = bench_ms(lambda: attention.decode_attention_triton(
-                    qq, args[1], args[2], tt, ll, scale, kv_scales=scales if fp8 else None))
+                    qq, k_cache, v_cache, tt, ll, scale, kv_scales=scales if fp8 else None))
                 cells.append(f"{t * 1e3:.1f} ({100 * nbytes[fp8] / t / 1e6 / copy_gbs:.0f}%)")
         print(f"| {batch} | {nbytes[False] / 1e6:.0f} / {nbytes[True] / 1e6:.0f} MB | " + " | ".join(cells) + " |",
               flush=True)
