@@ -138,6 +138,49 @@ def test_tuned_choice_wins_where_it_can_run_and_nothing_runnable_raises():
         select.select({"other": table["other"][1:]}, big)
 
 
+# ----------------------------------------------------------------- decode attention, FP8 cache
+def test_fp8_decode_selection(monkeypatch):
+    """Over an FP8 cache the Gluon kernel (engine/kernels/attention_gluon.py) runs where it can:
+    capability 8.9 and up, 16-bit q, heads of 128, pages of 16, up to 8 query heads per KV head,
+    and not under the interpreter; the Triton kernel everywhere else."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from engine.kernels.attention import fp8_decode_takes_gluon as takes
+    bf16 = torch.bfloat16
+    assert takes((9, 0), bf16, 128, 16, 4) and takes((8, 9), torch.float16, 128, 16, 8)
+    assert takes((10, 0), bf16, 128, 16, 1)
+    for cap, dtype, hd, page, group in [(None, bf16, 128, 16, 4), ((8, 6), bf16, 128, 16, 4),
+                                        ((9, 0), torch.float32, 128, 16, 4), ((9, 0), bf16, 64, 16, 4),
+                                        ((9, 0), bf16, 128, 32, 4), ((9, 0), bf16, 128, 16, 16)]:
+        assert not takes(cap, dtype, hd, page, group), (cap, dtype, hd, page, group)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not takes((9, 0), bf16, 128, 16, 4)
+
+
+def test_gluon_fp8_decode_kernel_compiles_for_sm90():
+    """Compiled on the CPU for sm_90 (with and without RoPE's prologue): per page and thread the loop
+    loads its bytes in 16-byte loads straight into the MMA's registers (K: 2 rows x 32 bytes, V: 4
+    rows x 16), converts them a word (4 values) at a time in two cvt.rn.f16x2.e4m3x2, and runs 8 +
+    8 m16n8k16 MMAs, with no shared memory and no barrier: the warps are independent until they
+    merge after the loop."""
+    from gluon_ptx import compile_sm90, ptx_loops
+    from engine.kernels.attention_gluon import fp8_cache_decode_kernel
+    args = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", inv_freq_ptr="*fp32", k_cache_ptr="*fp8e4nv",
+                v_cache_ptr="*fp8e4nv", k_scale_ptr="*fp32", v_scale_ptr="*fp32", block_tables_ptr="*i32",
+                context_lens_ptr="*i32", out_ptr="*bf16", part_acc_ptr="*fp32", part_max_ptr="*fp32",
+                part_sum_ptr="*fp32", scale_log2e="fp32")
+    args |= {n: "i32" for n in fp8_cache_decode_kernel.arg_names
+             if n.startswith("stride") or n in ("bt_stride", "n_heads", "num_splits")}
+    for rope_ in (False, True):
+        ptx = compile_sm90(fp8_cache_decode_kernel, args, {"GROUP": 4, "ROPE": rope_})
+        loops = [body for body in ptx_loops(ptx) if "mma.sync" in body]
+        assert len(loops) == 1, len(loops)
+        body = loops[0]
+        assert body.count("ld.global.v4.b32") == 8
+        assert body.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 16
+        assert body.count("cvt.rn.f16x2.e4m3x2") == 64
+        assert "shared" not in body and "bar.sync" not in body
+
+
 # ------------------------------------------------------------------------------------ tuner
 def test_tuner_times_once_caches_on_disk_and_reuses(tmp_path):
     path = tmp_path / "tuning.json"

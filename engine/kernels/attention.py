@@ -16,7 +16,9 @@ whose `write_kv_ref` is the reference), and the decode kernel its own rows'.
   lays out a step) run longest first, so unequal contexts leave no long program to run alone at
   the end. fp32 softmax, online (exp2 domain). Given the rows' new k and v (`new_kv`), the kernel
   also applies RoPE to q and k, with the RoPE kernel's arithmetic (the same bits), and stores k and
-  v in the cache: decode needs no RoPE launch.
+  v in the cache: decode needs no RoPE launch. Over an FP8 cache on sm_89+ the same grid runs
+  engine/kernels/attention_gluon.py's kernel instead (`fp8_decode_takes_gluon`), which keeps
+  every operand in registers; the merge is shared.
 - `prefill_attention_flash`: short prompts with no cached prefix, in bf16/fp16 on sm_80+:
   FlashAttention-2's variable-length kernel over the packed rows (cu_seqlens), GQA native
   (`prefill_takes_flash` says when).
@@ -417,6 +419,7 @@ LOG2E = 1.4426950408889634
 # in registers, and run fastest twice as wide and less deep (BENCHMARKS.md, "FP8 KV cache").
 DECODE_TILING = {"model dtype": (64, 3), "fp8": (128, 2)}
 MAX_DECODE_SPLITS = 64   # splits of one sequence's context, at most (decode_splits)
+FP8_GLUON_MAX_SPLITS = 16   # the Gluon kernel's 4 warps take 4 pages at a time: more splits stay empty
 SEQ_CHUNK = 64           # sequences the prefill kernel's owner search reads at a time
 PREFILL_BLOCK_M = 128     # queries per program of the prefill kernel
 FRESH_PROMPT_LEN = 256    # prompts without a prefix averaging this long take the prefill kernel, not FA2
@@ -446,28 +449,42 @@ def _exact_fp32_dot(dtype):
     return dtype == torch.float32 or interpreting()
 
 
-def decode_splits(num_seqs: int, num_kv_heads: int, device) -> int:
+def decode_splits(num_seqs: int, num_kv_heads: int, device, most: int = MAX_DECODE_SPLITS) -> int:
     """Splits of the context per (sequence, KV head): enough programs for ~2 per SM, a power of two
-    up to 64 (large batches run best unsplit, batch 1 at 16..64 splits). The split
+    up to `most` (large batches run best unsplit, batch 1 at 16..64 splits). The split
     length is decided in the kernel from each sequence's own context length, so the host needs no
     context lengths (no sync)."""
     if device.type != "cuda":
         return 4   # the interpreter: exercise the split-and-merge path
     want = -(-2 * sm_count(device) // max(num_seqs * num_kv_heads, 1))
-    return min(MAX_DECODE_SPLITS, 1 << (want.bit_length() - 1))
+    return min(most, 1 << (want.bit_length() - 1))
+
+
+def fp8_decode_takes_gluon(cap: tuple[int, int] | None, dtype: torch.dtype, head_dim: int, page: int,
+                           group: int) -> bool:
+    """Whether a decode over an FP8 cache runs engine/kernels/attention_gluon.py's kernel (operands
+    in registers; faster than the Triton kernel at every batch measured, BENCHMARKS.md "FP8 KV
+    cache") rather than the Triton kernel: on a GPU of capability `cap` >= 8.9 (e4m3 conversion in
+    hardware), with 16-bit q, heads of 128, pages of 16 and at most 8 query heads (`group`) per KV
+    head; never under the interpreter (Gluon cannot run there)."""
+    return (cap is not None and cap >= (8, 9) and not interpreting() and dtype in (torch.bfloat16, torch.float16)
+            and head_dim == 128 and page == 16 and group <= 8)
 
 
 def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv=None,
                             num_splits=None, out=None, kv_scales=None):
     """decode_attention_ref's contract (new_kv, kv_scales included) on the Triton kernels, into `out`
-    where given. num_splits overrides the split choice (tests, the benchmark's sweep)."""
+    where given; over an FP8 cache on the Gluon kernel where fp8_decode_takes_gluon says. num_splits
+    overrides the split choice (tests, the benchmark's sweep)."""
     b, nh, hd = q.shape
     nkv = k_cache.shape[2]
     check_cache(k_cache, v_cache, hd, kv_scales)
     if q.stride(-1) != 1:
         raise ValueError("decode_attention needs unit stride along head_dim")
     group = nh // nkv
-    splits = num_splits or decode_splits(b, nkv, q.device)
+    gluon = kv_scales is not None and fp8_decode_takes_gluon(capability(q.device), q.dtype, hd, k_cache.shape[1],
+                                                             group)
+    splits = num_splits or decode_splits(b, nkv, q.device, FP8_GLUON_MAX_SPLITS if gluon else MAX_DECODE_SPLITS)
     if splits < 1 or splits > MAX_DECODE_SPLITS or splits & (splits - 1):
         raise ValueError(f"num_splits: must be a power of two up to {MAX_DECODE_SPLITS}, got {splits}")
     out = output_buffer(out, q.shape, q.dtype, q.device)
@@ -488,14 +505,24 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, sca
         new = (k, v, inv_freq.to(q.device), k.stride(0), k.stride(1), v.stride(0), v.stride(1))
     else:    # unused pointers and strides: ROPE is off
         new = (q, q, q, 0, 0, 0, 0)
-    _decode_kernel[(nkv, b, splits)](
-        q, *new[:3], k_cache, v_cache, *(kv_scales or (k_cache, v_cache)), block_tables, context_lens, out,
-        part_acc, part_max, part_sum,
-        scale * LOG2E, q.stride(0), q.stride(1), *new[3:], k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), block_tables.stride(0), nh, splits, GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=hd, PAGE=k_cache.shape[1],
-        BLOCK_N=block_n, ROPE=new_kv is not None, KV_FP8=kv_scales is not None,
-        ROUND_IN_FP32=interpreting(), EXACT_FP32=_exact_fp32_dot(q.dtype), num_warps=4, num_stages=stages)
+    if gluon:
+        from engine.kernels.attention_gluon import MAX_REGISTERS, NUM_WARPS, fp8_cache_decode_kernel
+        k_scale, v_scale = kv_scales
+        fp8_cache_decode_kernel[(nkv, b, splits)](
+            q, *new[:3], k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, out,
+            part_acc, part_max, part_sum, scale * LOG2E, q.stride(0), q.stride(1), *new[3:],
+            k_cache.stride(0) // 4, k_cache.stride(1) // 4, k_scale.stride(0), k_scale.stride(1),
+            block_tables.stride(0), nh, splits, GROUP=group, ROPE=new_kv is not None, num_warps=NUM_WARPS,
+            maxnreg=MAX_REGISTERS)
+    else:
+        _decode_kernel[(nkv, b, splits)](
+            q, *new[:3], k_cache, v_cache, *(kv_scales or (k_cache, v_cache)), block_tables, context_lens, out,
+            part_acc, part_max, part_sum,
+            scale * LOG2E, q.stride(0), q.stride(1), *new[3:], k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2), block_tables.stride(0), nh, splits, GROUP=group,
+            GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=hd, PAGE=k_cache.shape[1],
+            BLOCK_N=block_n, ROPE=new_kv is not None, KV_FP8=kv_scales is not None,
+            ROUND_IN_FP32=interpreting(), EXACT_FP32=_exact_fp32_dot(q.dtype), num_warps=4, num_stages=stages)
     if splits > 1:
         _decode_merge_kernel[(b * nh,)](part_acc, part_max, part_sum, out, NUM_SPLITS=splits,
                                         HEAD_DIM=hd, num_warps=4)
