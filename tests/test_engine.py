@@ -527,16 +527,24 @@ def test_gpu_quantised_model_paths_match_their_reference(weights, prompt_len, bo
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_kv_cache_against_the_model_dtype_cache():
+@pytest.mark.parametrize("head_dim", [32, 128])
+def test_gpu_fp8_kv_cache_against_the_model_dtype_cache(monkeypatch, head_dim):
     """bf16 on the GPU kernels, with CUDA graphs: an FP8 cache written by RoPE's launch (prefill) and
     the decode kernel (decode), read by the prefill kernel's prefix tiles and the decode kernel,
     against the bf16 cache, through the cache in chunks of 16 and in decode steps; served steps
-    (the decode graphs) give finite log-probabilities and start where the whole-prompt pass does."""
+    (the decode graphs) give finite log-probabilities and start where the whole-prompt pass does.
+    Heads of 32 decode on the Triton kernel, heads of 128 on the Gluon one (sm_89+)."""
+    from models import presets
+    name = "llama-tiny"
+    if head_dim != presets.SHAPE_PRESETS[name].head_dim:
+        name = f"llama-tiny-hd{head_dim}"
+        config = presets.SHAPE_PRESETS["llama-tiny"].__dict__
+        monkeypatch.setitem(presets.SHAPE_PRESETS, name, presets.LlamaConfig(**{**config, "head_dim": head_dim}))
     torch.manual_seed(0)
     prompt = torch.randint(10, 1000, (300,)).tolist()
     kw = dict(device="cuda", dtype="bf16", kv_cache_tokens=8192, seed=3)
-    ref = LLM("llama-tiny", **kw)
-    fp8 = LLM("llama-tiny", kv_cache_dtype="fp8", **kw)
+    ref = LLM(name, **kw)
+    fp8 = LLM(name, kv_cache_dtype="fp8", **kw)
     try:
         assert fp8.engine.kv_cache.k.dtype == torch.float8_e4m3fn
         for chunk, n in ((16, 300), (1, 48)):
