@@ -932,7 +932,7 @@ ENGINE_HELP = {
     "kv_cache_tokens": "KV-cache size in tokens (default: --kv-cache-memory-fraction of free GPU memory)",
     "kv_cache_memory_fraction": "fraction of free GPU memory for the KV cache",
     "kv_cache_dtype": "auto: K/V in the model dtype; fp8: e4m3 with a scale per token and KV head, "
-                      "twice the tokens in the same memory (decode is no faster)",
+                      "twice the tokens in the same memory and half the KV bytes a decode step reads",
     "block_size": "tokens per KV-cache block (a power of two)",
     "max_model_len": "context length, prompt plus output (default: the model's, at most 8192)",
     "max_num_seqs": "most sequences in one engine step",

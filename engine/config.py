@@ -58,7 +58,7 @@ class EngineConfig:
     kv_cache_tokens: int | None = None
     kv_cache_memory_fraction: float = 0.85
     # "auto": K/V in the model dtype; "fp8": e4m3 with an fp32 scale per token and KV head, twice the
-    # tokens in the same memory (engine/kernels/rope.py; its decode is no faster: BENCHMARKS.md)
+    # tokens in the same memory and half the bytes a decode step reads (engine/kernels/rope.py, attention*.py)
     kv_cache_dtype: str = "auto"
     block_size: int = 16
     max_model_len: int | None = None      # None: the model's context length, capped at 8192
