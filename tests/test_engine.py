@@ -3,6 +3,7 @@
 Greedy tokens computed in different batches are compared with tests/ties.py: equal, or parted at a
 near-tie that rounding at another batch shape may flip (a CPU BLAS need not round the same at every
 M). Bitwise batch invariance is not a property the engine promises."""
+import dataclasses
 import random
 
 import pytest
@@ -538,8 +539,8 @@ def test_gpu_fp8_kv_cache_against_the_model_dtype_cache(monkeypatch, head_dim):
     name = "llama-tiny"
     if head_dim != presets.SHAPE_PRESETS[name].head_dim:
         name = f"llama-tiny-hd{head_dim}"
-        config = presets.SHAPE_PRESETS["llama-tiny"].__dict__
-        monkeypatch.setitem(presets.SHAPE_PRESETS, name, presets.LlamaConfig(**{**config, "head_dim": head_dim}))
+        monkeypatch.setitem(presets.SHAPE_PRESETS, name,
+                            dataclasses.replace(presets.SHAPE_PRESETS["llama-tiny"], head_dim=head_dim))
     torch.manual_seed(0)
     prompt = torch.randint(10, 1000, (300,)).tolist()
     kw = dict(device="cuda", dtype="bf16", kv_cache_tokens=8192, seed=3)
