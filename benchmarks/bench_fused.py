@@ -256,7 +256,7 @@ def check_decode_case(batch, ctx):
     q, kc, vc, tables, lens = decode_inputs(batch, ctx)
     ref = attention.decode_attention_ref(q, kc, vc, tables, lens, HEAD_DIM ** -0.5)
     return [(f"decode attn b{batch} ctx{ctx}", lambda: (rel_err(
-                attention.decode_attention_triton(q, kc, vc, tables, lens, HEAD_DIM ** -0.5), ref), BF16_BOUND)),
+                attention.decode_attention(q, kc, vc, tables, lens, HEAD_DIM ** -0.5), ref), BF16_BOUND)),
             (f"gather+sdpa b{batch} ctx{ctx}", lambda: (rel_err(
                 gather_sdpa(q, kc, vc, tables, lens, HEAD_DIM ** -0.5), ref), BF16_BOUND)),
             (f"decode attn, FP8 cache, b{batch} ctx{ctx} (vs its fp32 reference)", lambda: fp8_decode_error(
@@ -267,13 +267,13 @@ def check_uneven_decode_case():
     q, kc, vc, tables, lens = uneven_decode_inputs(64, *UNEVEN_CONTEXTS)
     ref = attention.decode_attention_ref(q, kc, vc, tables, lens, HEAD_DIM ** -0.5)
     return [(f"decode attn b64 ctx{UNEVEN_CONTEXTS[0]}..{UNEVEN_CONTEXTS[1]}", lambda: (rel_err(
-                attention.decode_attention_triton(q, kc, vc, tables, lens, HEAD_DIM ** -0.5), ref), BF16_BOUND))]
+                attention.decode_attention(q, kc, vc, tables, lens, HEAD_DIM ** -0.5), ref), BF16_BOUND))]
 
 
 def fp8_decode_error(q, kc, vc, tables, lens):
     kq, vq, scales = fp8_cache(kc, vc)
     ref = attention.decode_attention_ref(q, kq, vq, tables, lens, HEAD_DIM ** -0.5, kv_scales=scales)
-    out = attention.decode_attention_triton(q, kq, vq, tables, lens, HEAD_DIM ** -0.5, kv_scales=scales)
+    out = attention.decode_attention(q, kq, vq, tables, lens, HEAD_DIM ** -0.5, kv_scales=scales)
     return rel_err(out, ref), BF16_BOUND
 
 
@@ -356,10 +356,10 @@ def bench_decode(copy_gbs):
     scale = HEAD_DIM ** -0.5
     for batch, ctx in DECODE_CASES:
         q, kc, vc, tables, lens = decode_inputs(batch, ctx)
-        t_fused = bench_ms(lambda: attention.decode_attention_triton(q, kc, vc, tables, lens, scale))
+        t_fused = bench_ms(lambda: attention.decode_attention(q, kc, vc, tables, lens, scale))
         t_base = bench_ms(lambda: gather_sdpa(q, kc, vc, tables, lens, scale))
         kq, vq, scales = fp8_cache(kc, vc)
-        t_fp8 = bench_ms(lambda: attention.decode_attention_triton(q, kq, vq, tables, lens, scale, kv_scales=scales))
+        t_fp8 = bench_ms(lambda: attention.decode_attention(q, kq, vq, tables, lens, scale, kv_scales=scales))
         nbytes, fp8_bytes = decode_bytes(batch, ctx), decode_bytes(batch, ctx, fp8=True)
         flops = 4 * batch * N_HEADS * ctx * HEAD_DIM
         gbs, fp8_gbs = nbytes / t_fused / 1e6, fp8_bytes / t_fp8 / 1e6
@@ -391,7 +391,7 @@ def bench_uneven_decode(copy_gbs):
             k_cache, v_cache = (kq, vq) if fp8 else (kc, vc)
             for rows in (torch.arange(batch, device=DEVICE), lens.argsort(descending=True, stable=True)):
                 qq, tt, ll = q[rows], tables[rows], lens[rows]
-                t = bench_ms(lambda: attention.decode_attention_triton(
+                t = bench_ms(lambda: attention.decode_attention(
                     qq, k_cache, v_cache, tt, ll, scale, kv_scales=scales if fp8 else None))
                 cells.append(f"{t * 1e3:.1f} ({100 * nbytes[fp8] / t / 1e6 / copy_gbs:.0f}%)")
         print(f"| {batch} | {nbytes[False] / 1e6:.0f} / {nbytes[True] / 1e6:.0f} MB | " + " | ".join(cells) + " |",
@@ -479,7 +479,7 @@ def sweep(copy_gbs):
         q, kc, vc, tables, lens = decode_inputs(batch, ctx)
         for splits in (1, 4, 16, 64):
             row(f"decode b{batch} ctx{ctx}", f"splits={splits}",
-                lambda: attention.decode_attention_triton(q, kc, vc, tables, lens, 0.088, splits),
+                lambda: attention.decode_attention(q, kc, vc, tables, lens, 0.088, num_splits=splits),
                 decode_bytes(batch, ctx))
 
 

@@ -187,15 +187,13 @@ def attend(q, k, v, batch, k_cache, v_cache, kv_scales, scale, new_kv=None, out=
 
 
 def _prefill(q, k, v, batch, k_cache, v_cache, kv_scales, scale, out=None):
-    if attn_ops.prefill_takes_flash(q, batch.prefill_max_prefix, batch.num_prefill_tokens, batch.num_prefills):
-        # Packed variable-length prompts, no padding: one flash launch; the longest prompt's length
-        # comes from the host (asked of the device, it would cost a sync).
-        o = attn_ops.prefill_attention_flash(q, k, v, batch.prefill_offsets, batch.prefill_max_len, scale)
-        return o if out is None else out.copy_(o)
+    # The longest prompt's length and the longest cached prefix come from the host (asked of the
+    # device, they would cost a sync); they pick the kernel (FlashAttention-2 for short fresh prompts).
     return attn_ops.prefill_attention(q, k, v, batch.prefill_offsets, batch.prefill_context_lens,
                                       batch.prefill_block_tables, k_cache, v_cache, scale,
                                       max_prefix=batch.prefill_max_prefix, out=out,
-                                      block_ends=batch.prefill_block_ends, kv_scales=kv_scales)
+                                      block_ends=batch.prefill_block_ends, kv_scales=kv_scales,
+                                      max_len=batch.prefill_max_len)
 
 
 class LlamaMLP(nn.Module):

@@ -5,6 +5,7 @@ import ast
 import json
 import logging
 import pathlib
+import types
 import warnings
 
 import pytest
@@ -138,22 +139,79 @@ def test_tuned_choice_wins_where_it_can_run_and_nothing_runnable_raises():
         select.select({"other": table["other"][1:]}, big)
 
 
-# ----------------------------------------------------------------- decode attention, FP8 cache
-def test_fp8_decode_selection(monkeypatch):
+# ------------------------------------------------------------------------------ attention selection
+def _rows(m, heads, head_dim, dtype, device=CUDA):
+    """What the attention's selection reads of q (shape, dtype, device): no memory on a CPU machine."""
+    return types.SimpleNamespace(shape=(m, heads, head_dim), dtype=dtype, device=device)
+
+
+def _cache(page, kv_heads):
+    return types.SimpleNamespace(shape=(64, page, kv_heads, 128))
+
+
+BF16, FP16 = torch.bfloat16, torch.float16
+
+
+@pytest.mark.parametrize("cap,dtype,hd,page,group,fp8_cache,want", [
+    ((9, 0), BF16, 128, 16, 4, True, "gluon_fp8_cache"),
+    ((8, 9), FP16, 128, 16, 8, True, "gluon_fp8_cache"),
+    ((10, 0), BF16, 128, 16, 1, True, "gluon_fp8_cache"),
+    ((9, 0), BF16, 128, 16, 4, False, "triton"),           # a 16-bit cache
+    ((8, 6), BF16, 128, 16, 4, True, "triton"),            # no e4m3 conversion in hardware
+    ((9, 0), torch.float32, 128, 16, 4, True, "triton"),
+    ((9, 0), BF16, 64, 16, 4, True, "triton"),
+    ((9, 0), BF16, 128, 32, 4, True, "triton"),
+    ((9, 0), BF16, 128, 16, 16, True, "triton"),
+])
+def test_decode_attention_selection(monkeypatch, cap, dtype, hd, page, group, fp8_cache, want):
     """Over an FP8 cache the Gluon kernel (engine/kernels/attention_gluon.py) runs where it can:
-    capability 8.9 and up, 16-bit q, heads of 128, pages of 16, up to 8 query heads per KV head,
-    and not under the interpreter; the Triton kernel everywhere else."""
+    capability 8.9 and up, 16-bit q, heads of 128, pages of 16, up to 8 query heads per KV head;
+    the Triton kernel everywhere else on a GPU."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    from engine.kernels.attention import fp8_decode_takes_gluon as takes
-    bf16 = torch.bfloat16
-    assert takes((9, 0), bf16, 128, 16, 4) and takes((8, 9), torch.float16, 128, 16, 8)
-    assert takes((10, 0), bf16, 128, 16, 1)
-    for cap, dtype, hd, page, group in [(None, bf16, 128, 16, 4), ((8, 6), bf16, 128, 16, 4),
-                                        ((9, 0), torch.float32, 128, 16, 4), ((9, 0), bf16, 64, 16, 4),
-                                        ((9, 0), bf16, 128, 32, 4), ((9, 0), bf16, 128, 16, 16)]:
-        assert not takes(cap, dtype, hd, page, group), (cap, dtype, hd, page, group)
+    from engine.kernels import attention
+    with fake_capability(cap):
+        assert attention.decode_kernel(_rows(1, 8 * group, hd, dtype), _cache(page, 8), fp8_cache).name == want
+
+
+def test_attention_off_the_gpu_and_the_reasons_logged_once(monkeypatch, caplog):
+    """No GPU: the references, or the Triton kernels under the interpreter (never Gluon). Each
+    choice is logged once, with why the kernels before it cannot run."""
+    from engine.kernels import attention
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert attention.decode_kernel(_rows(4, 32, 128, BF16, cpu), _cache(16, 8), True).name == "reference"
+    assert attention.prefill_kernel(_rows(64, 32, 128, BF16, cpu), False, 0, 1, 64).name == "reference"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert not takes((9, 0), bf16, 128, 16, 4)
+    assert attention.decode_kernel(_rows(4, 32, 128, BF16, cpu), _cache(16, 8), True).name == "triton"
+    assert attention.prefill_kernel(_rows(64, 32, 128, BF16, cpu), False, 0, 1, 64).name == "triton"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with caplog.at_level(logging.INFO, logger="microengine.kernels"):
+        with fake_capability((8, 6)):
+            for _ in range(3):
+                attention.decode_kernel(_rows(1, 32, 128, BF16), _cache(16, 8), True)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode_attention")]
+    assert len(lines) == 1, lines
+    assert "triton" in lines[0] and "gluon_fp8_cache: needs sm_89+" in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("tokens,seqs,max_prefix,max_len,dtype,cap,want", [
+    (64 * 128, 64, 0, 128, BF16, (9, 0), "flash_attention_2"),
+    (4 * 256 - 1, 4, 0, 700, FP16, (8, 0), "flash_attention_2"),
+    (4 * 256, 4, 0, 700, BF16, (9, 0), "triton"),        # prompts averaging FRESH_PROMPT_LEN or more
+    (64, 8, 16, 8, BF16, (9, 0), "triton"),              # a cached prefix
+    (64, 8, None, 8, BF16, (9, 0), "triton"),            # whether there is one is not known
+    (64, 8, 0, None, BF16, (9, 0), "triton"),            # the longest prompt not known on the host
+    (64, 8, 0, 8, torch.float32, (9, 0), "triton"),
+    (64, 8, 0, 8, BF16, (7, 5), "triton"),
+])
+def test_prefill_attention_selection(monkeypatch, tokens, seqs, max_prefix, max_len, dtype, cap, want):
+    """FlashAttention-2 for fresh prompts averaging under FRESH_PROMPT_LEN tokens (sm_80+, 16-bit);
+    longer ones, and any step with a prefix, the prefill kernel."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from engine.kernels import attention
+    assert attention.FRESH_PROMPT_LEN == 256
+    with fake_capability(cap):
+        assert attention.prefill_kernel(_rows(tokens, 32, 128, dtype), False, max_prefix, seqs, max_len).name == want
 
 
 def test_gluon_fp8_decode_kernel_compiles_for_sm90():

@@ -297,7 +297,7 @@ def check_decode(context_lens, nh, nkv, hd, dtype, num_splits):
     b = len(context_lens)
     q = torch.randn(b, nh + 2, hd, device=DEVICE, dtype=dtype)[:, 1:nh + 1]   # strided over heads
     scale = hd ** -0.5
-    out = attention.decode_attention_triton(q, k_cache, v_cache, tables, ctx, scale, num_splits=num_splits)
+    out = attention.decode_attention(q, k_cache, v_cache, tables, ctx, scale, num_splits=num_splits)
     ref = attention.decode_attention_ref(q, k_cache, v_cache, tables, ctx, scale)
     assert_close(out, ref, dtype, f"decode (splits {num_splits})")
 
@@ -318,7 +318,7 @@ def check_decode_rope(context_lens, nh, nkv, hd, dtype, num_splits):
     scale = hd ** -0.5
     caches = [(k_cache.clone(), v_cache.clone()) for _ in range(3)]
     q, k, v = split(qkv.clone())
-    out = attention.decode_attention_triton(q, *caches[0], tables, ctx, scale, (k, v, inv_freq), num_splits)
+    out = attention.decode_attention(q, *caches[0], tables, ctx, scale, (k, v, inv_freq), num_splits=num_splits)
     assert torch.equal(qkv, torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)), "inputs changed"
     q, k, v = split(qkv.clone())
     ref = attention.decode_attention_ref(q, *caches[1], tables, ctx, scale, (k, v, inv_freq))
@@ -330,7 +330,7 @@ def check_decode_rope(context_lens, nh, nkv, hd, dtype, num_splits):
     pos = ctx.long() - 1
     slots = tables.gather(1, (pos // block_size)[:, None]).squeeze(1).long() * block_size + pos % block_size
     rope.apply_rope_triton(q, k, pos, inv_freq, (v, *caches[2], slots, None))
-    before = attention.decode_attention_triton(q, *caches[2], tables, ctx, scale, num_splits=num_splits)
+    before = attention.decode_attention(q, *caches[2], tables, ctx, scale, num_splits=num_splits)
     assert torch.equal(out, before), "decode with RoPE differs from RoPE's kernel then decode"
     assert torch.equal(caches[0][0], caches[2][0]) and torch.equal(caches[0][1], caches[2][1])
 
@@ -525,7 +525,7 @@ def test_decode_attention_of_a_mixed_steps_rows(poisoned):
     for first in (1, 2, 3):
         k_cache, v_cache, tables, ctx = decode_cache(lens, 2, 64, torch.float32)
         q = torch.randn(len(lens) - first, 4, 64, device=DEVICE)
-        out = attention.decode_attention_triton(q, k_cache, v_cache, tables[first:], ctx[first:], 0.125)
+        out = attention.decode_attention(q, k_cache, v_cache, tables[first:], ctx[first:], 0.125)
         ref = attention.decode_attention_ref(q, k_cache, v_cache, tables[first:], ctx[first:], 0.125)
         assert_close(out, ref, torch.float32, f"decode rows from row {first}")
 
@@ -546,20 +546,6 @@ def test_prefill_attention_without_cache(poisoned):
 
 # --------------------------------------------------------------------------------------------------
 # dispatch: what the model calls takes the kernels wherever they apply
-
-
-def test_fresh_prompts_take_flash_attention_only_when_short(monkeypatch):
-    """The prefill attention rule: FlashAttention-2 for prompts without a cached prefix averaging
-    under FRESH_PROMPT_LEN tokens; longer ones, and any step with a prefix, the prefill kernel."""
-    monkeypatch.setattr(attention, "flash_runs", lambda q: True)
-    q = torch.empty(0)
-    n = attention.FRESH_PROMPT_LEN
-    assert attention.prefill_takes_flash(q, 0, 64 * 128, 64)
-    assert attention.prefill_takes_flash(q, 0, 4 * n - 1, 4)
-    assert not attention.prefill_takes_flash(q, 0, 4 * n, 4)
-    assert not attention.prefill_takes_flash(q, 16, 64, 8)
-    monkeypatch.setattr(attention, "flash_runs", lambda q: False)
-    assert not attention.prefill_takes_flash(q, 0, 64, 8)
 
 
 def test_dispatch_takes_the_kernels():
@@ -664,7 +650,6 @@ def test_gpu_prefill_attention_flash(poisoned, nh, nkv, hd):
     q = qkv[:, :nh * hd].view(t, nh, hd)
     k = qkv[:, nh * hd:(nh + nkv) * hd].view(t, nkv, hd)
     v = qkv[:, (nh + nkv) * hd:].view(t, nkv, hd)
-    assert attention.flash_runs(q)
     out = attention.prefill_attention_flash(q, k, v, cu, max(q_lens), hd ** -0.5)
     ctx = torch.tensor(q_lens, dtype=torch.int32, device=DEVICE)
     ref = attention.prefill_attention_ref(q, k, v, cu, ctx, None, None, None, hd ** -0.5)
@@ -808,8 +793,8 @@ def check_decode_fp8(lens, nh, nkv, hd, dtype, num_splits):
     tables = block_tables_for(lens, 16, num_blocks)
     ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     q = torch.randn(len(lens), nh, hd, device=DEVICE, dtype=dtype)
-    out = attention.decode_attention_triton(q, k_cache, v_cache, tables, ctx, hd ** -0.5, num_splits=num_splits,
-                                            kv_scales=scales)
+    out = attention.decode_attention(q, k_cache, v_cache, tables, ctx, hd ** -0.5, num_splits=num_splits,
+                                     kv_scales=scales)
     ref = attention.decode_attention_ref(q, k_cache, v_cache, tables, ctx, hd ** -0.5, kv_scales=scales)
     assert_close_fp8_kv(out, ref, dtype, f"decode over an FP8 cache (splits {num_splits})")
 
@@ -843,8 +828,8 @@ def check_decode_rope_fp8(lens, nh, nkv, hd, num_splits):
     inv_freq = rope.rope_inv_freq(hd, 500000.0, LLAMA3_SCALING).to(DEVICE)
     caches = [copy() for _ in range(3)]
     q, k, v = split(qkv.clone())
-    out = attention.decode_attention_triton(q, *caches[0][:2], tables, ctx, hd ** -0.5, (k, v, inv_freq), num_splits,
-                                            kv_scales=caches[0][2])
+    out = attention.decode_attention(q, *caches[0][:2], tables, ctx, hd ** -0.5, (k, v, inv_freq),
+                                     num_splits=num_splits, kv_scales=caches[0][2])
     q, k, v = split(qkv.clone())
     ref = attention.decode_attention_ref(q, *caches[1][:2], tables, ctx, hd ** -0.5, (k, v, inv_freq),
                                          kv_scales=caches[1][2])
@@ -857,8 +842,8 @@ def check_decode_rope_fp8(lens, nh, nkv, hd, num_splits):
     pos = ctx.long() - 1
     slots = tables.gather(1, (pos // bs)[:, None]).squeeze(1).long() * bs + pos % bs
     rope.apply_rope_triton(q, k, pos, inv_freq, (v, *caches[2][:2], slots, caches[2][2]))
-    before = attention.decode_attention_triton(q, *caches[2][:2], tables, ctx, hd ** -0.5, num_splits=num_splits,
-                                               kv_scales=caches[2][2])
+    before = attention.decode_attention(q, *caches[2][:2], tables, ctx, hd ** -0.5, num_splits=num_splits,
+                                        kv_scales=caches[2][2])
     assert torch.equal(out, before), "decode with RoPE differs from RoPE's kernel then decode"
     for a, c in zip((caches[0][0], caches[0][1], *caches[0][2]), (caches[2][0], caches[2][1], *caches[2][2])):
         assert torch.equal(a.view(torch.uint8) if a.dtype == rope.KV_FP8 else a,

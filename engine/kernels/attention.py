@@ -17,13 +17,12 @@ whose `write_kv_ref` is the reference), and the decode kernel its own rows'.
   the end. fp32 softmax, online (exp2 domain). Given the rows' new k and v (`new_kv`), the kernel
   also applies RoPE to q and k, with the RoPE kernel's arithmetic (the same bits), and stores k and
   v in the cache: decode needs no RoPE launch. Over an FP8 cache on sm_89+ the same grid runs
-  engine/kernels/attention_gluon.py's kernel instead (`fp8_decode_takes_gluon`), which keeps
-  every operand in registers; the merge is shared.
-- `prefill_attention_flash`: short prompts with no cached prefix, in bf16/fp16 on sm_80+:
-  FlashAttention-2's variable-length kernel over the packed rows (cu_seqlens), GQA native
-  (`prefill_takes_flash` says when).
-- `prefill_attention`: packed variable-length sequences, one program per (block of queries of one
-  sequence, query head), causal aligned bottom-right: the cached prefix is read from the paged
+  engine/kernels/attention_gluon.py's kernel instead, which keeps every operand in registers; the
+  merge is shared.
+- `prefill_attention`: packed variable-length sequences. Short prompts with no cached prefix, in
+  bf16/fp16 on sm_80+, go to FlashAttention-2's variable-length kernel over the packed rows
+  (cu_seqlens), GQA native. The others to this module's prefill kernel: one program per (block of
+  queries of one sequence, query head), causal aligned bottom-right: the cached prefix is read from the paged
   cache through the block table, this step's keys straight from k and v. Only the prefix's last
   tile and the diagonal tiles are masked; every other key tile runs without masks. Blocks start
   last first (the most keys first); a step the host knows to have no prefix runs a binary without
@@ -31,6 +30,9 @@ whose `write_kv_ref` is the reference), and the decode kernel its own rows'.
 - `compile_step_kernels`: these kernels run outside the step graphs, on each step's own shapes, and
   take whatever changes between steps as runtime arguments; this compiles the few binaries left
   (per model) when the engine starts, so none compiles while a request waits.
+Which kernel runs is chosen in one place, engine/kernels/select.py, from the ordered lists
+DECODE_ATTENTION and PREFILL_ATTENTION (each kernel says why it cannot run; each choice is logged
+once), as the GEMMs' are.
 Block tables are int32 [num_seqs, max_blocks]; context lengths int32; block_size a power of two.
 An FP8 cache (rope.py's layout, with `kv_scales` = (k_scale, v_scale)): the kernels feed its e4m3
 values to the dot products as they are (exact in bf16/fp16) and apply the row scales to the scores
@@ -39,10 +41,13 @@ read unquantised. The references dequantise in fp32.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from engine.kernels.norms import e4m3_scale, quantize_e4m3
 from engine.kernels.platform import capability, interpreting, jit, output_buffer, sm_count, triton_runs
+from engine.kernels.select import Kernel, Problem, select
 from engine.kernels.rope import (apply_rope_ref, check_cache, check_kv_scales, dequantize_kv_ref, rope_cos_sin,
                                  rope_rotate, write_kv_ref)
 
@@ -121,13 +126,6 @@ def decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale,
         vs = _gather_seq(v_cache, block_tables[b], length, vs_)
         out[b] = _attend(q[b:b + 1], ks, vs, scale)[0]
     return out
-
-
-def flash_runs(q: torch.Tensor) -> bool:
-    """Whether FlashAttention-2 (through aten) takes these queries: CUDA, bf16/fp16, head_dim <= 256,
-    sm_80 or later."""
-    cap = capability(q.device)
-    return cap is not None and cap >= (8, 0) and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256
 
 
 def prefill_attention_flash(q, k, v, cu_seqlens, max_len, scale):
@@ -425,13 +423,6 @@ PREFILL_BLOCK_M = 128     # queries per program of the prefill kernel
 FRESH_PROMPT_LEN = 256    # prompts without a prefix averaging this long take the prefill kernel, not FA2
 
 
-def prefill_takes_flash(q: torch.Tensor, max_prefix: int, num_tokens: int, num_seqs: int) -> bool:
-    """Whether a step's prefill rows go to FlashAttention-2 rather than the prefill kernel: no chunk
-    has a cached prefix, FlashAttention-2 runs here, and the prompts average fewer than
-    FRESH_PROMPT_LEN tokens (from there the prefill kernel is the faster, BENCHMARKS.md)."""
-    return not max_prefix and flash_runs(q) and num_tokens < FRESH_PROMPT_LEN * num_seqs
-
-
 def prefill_tiling(dtype: torch.dtype, fresh: bool, fp8_cache: bool) -> tuple[int, int]:
     """Keys per tile (a divisor of PREFILL_BLOCK_M) and pipeline stages of the prefill kernel: 16-bit
     K/V of fresh prompts (no chunk has a cached prefix) in 64-key tiles 3 deep; with a prefix in
@@ -460,30 +451,16 @@ def decode_splits(num_seqs: int, num_kv_heads: int, device, most: int = MAX_DECO
     return min(most, 1 << (want.bit_length() - 1))
 
 
-def fp8_decode_takes_gluon(cap: tuple[int, int] | None, dtype: torch.dtype, head_dim: int, page: int,
-                           group: int) -> bool:
-    """Whether a decode over an FP8 cache runs engine/kernels/attention_gluon.py's kernel (operands
-    in registers; faster than the Triton kernel at every batch measured, BENCHMARKS.md "FP8 KV
-    cache") rather than the Triton kernel: on a GPU of capability `cap` >= 8.9 (e4m3 conversion in
-    hardware), with 16-bit q, heads of 128, pages of 16 and at most 8 query heads (`group`) per KV
-    head; never under the interpreter (Gluon cannot run there)."""
-    return (cap is not None and cap >= (8, 9) and not interpreting() and dtype in (torch.bfloat16, torch.float16)
-            and head_dim == 128 and page == 16 and group <= 8)
-
-
-def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv=None,
-                            num_splits=None, out=None, kv_scales=None):
-    """decode_attention_ref's contract (new_kv, kv_scales included) on the Triton kernels, into `out`
-    where given; over an FP8 cache on the Gluon kernel where fp8_decode_takes_gluon says. num_splits
-    overrides the split choice (tests, the benchmark's sweep)."""
+def _decode_launch(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv=None, out=None,
+                   kv_scales=None, num_splits=None, gluon=False):
+    """decode_attention_ref's contract on the Triton kernel, or (gluon) attention_gluon.py's over an
+    FP8 cache; the splits' merge follows either."""
     b, nh, hd = q.shape
     nkv = k_cache.shape[2]
     check_cache(k_cache, v_cache, hd, kv_scales)
     if q.stride(-1) != 1:
         raise ValueError("decode_attention needs unit stride along head_dim")
     group = nh // nkv
-    gluon = kv_scales is not None and fp8_decode_takes_gluon(capability(q.device), q.dtype, hd, k_cache.shape[1],
-                                                             group)
     splits = num_splits or decode_splits(b, nkv, q.device, FP8_GLUON_MAX_SPLITS if gluon else MAX_DECODE_SPLITS)
     if splits < 1 or splits > MAX_DECODE_SPLITS or splits & (splits - 1):
         raise ValueError(f"num_splits: must be a power of two up to {MAX_DECODE_SPLITS}, got {splits}")
@@ -565,19 +542,65 @@ def prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables, 
 
 
 # --------------------------------------------------------------------------------------------------
-# What the model calls: the Triton kernels where they apply, the references elsewhere.
+# What the model calls: the kernel engine/kernels/select.py picks from the lists below.
+#
+# The attention Problem: m = query rows, n = query heads, k = head_dim; detail = (q dtype, FP8 cache,
+# interpreting, then the op's own facts). The interpreter flag is in the key because tests switch it.
+
+
+def _problem(op: str, q: torch.Tensor, fp8_cache: bool, *facts) -> Problem:
+    return Problem(op, q.shape[0], q.shape[1], q.shape[2], q.device, (q.dtype, fp8_cache, interpreting(), *facts))
+
+
+def _triton_fits(p: Problem) -> str | None:
+    if triton is None:
+        return "Triton is not installed"
+    return None if p.device.type == "cuda" or p.detail[2] else "runs on CUDA or in Triton's interpreter"
+
+
+def _gluon_decode_fits(p: Problem) -> str | None:
+    """attention_gluon.py's kernel: faster than the Triton kernel over an FP8 cache at every batch
+    measured (BENCHMARKS.md, "FP8 KV cache")."""
+    dtype, fp8_cache, interp, page, group = p.detail
+    cap = capability(p.device)
+    if not fp8_cache:
+        return "takes an FP8 cache"
+    if cap is None or cap < (8, 9):
+        return "needs sm_89+ (e4m3 conversion in hardware)"
+    if interp or triton is None:
+        return "Gluon runs on the GPU only"
+    if dtype not in (torch.bfloat16, torch.float16) or p.k != 128 or page != 16 or group > 8:
+        return "takes 16-bit q, heads of 128, pages of 16 and at most 8 query heads per KV head"
+    return None
+
+
+def _decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv=None, out=None,
+                      kv_scales=None, num_splits=None):
+    o = decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv, kv_scales)
+    return o if out is None else output_buffer(out, q.shape, q.dtype, q.device).copy_(o)
+
+
+DECODE_ATTENTION = {"other": [
+    Kernel("gluon_fp8_cache", functools.partial(_decode_launch, gluon=True), check=_gluon_decode_fits),
+    Kernel("triton", _decode_launch, needs_cuda=False, check=_triton_fits),
+    Kernel("reference", _decode_reference, reference=True)]}
+
+
+def decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, fp8_cache: bool) -> Kernel:
+    """The kernel decode_attention runs for these queries over this cache."""
+    group = q.shape[1] // max(k_cache.shape[2], 1)
+    return select(DECODE_ATTENTION, _problem("decode_attention", q, fp8_cache, k_cache.shape[1], group)).kernel
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv=None, out=None,
-                     kv_scales=None):
-    """out: where the result goes (contiguous, q's shape), else a new tensor. kv_scales: (k_scale,
-    v_scale) of an FP8 cache."""
-    if triton_runs(q):
-        return decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv,
-                                       out=out, kv_scales=kv_scales)
+                     kv_scales=None, num_splits=None):
+    """decode_attention_ref's contract (new_kv, kv_scales included) on the selected kernel, into
+    `out` where given (contiguous, q's shape), else a new tensor. kv_scales: (k_scale, v_scale) of
+    an FP8 cache. num_splits: a power of two up to MAX_DECODE_SPLITS that overrides the split
+    count (tests, the benchmark's sweep, compile_step_kernels)."""
     check_kv_scales(k_cache, q.shape[-1], kv_scales)
-    o = decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv, kv_scales)
-    return o if out is None else output_buffer(out, q.shape, q.dtype, q.device).copy_(o)
+    kernel = decode_kernel(q, k_cache, kv_scales is not None)
+    return kernel.run(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv, out, kv_scales, num_splits)
 
 
 def compile_step_kernels(k_cache, v_cache, kv_scales, num_heads: int, dtype: torch.dtype, block: int) -> None:
@@ -606,23 +629,71 @@ def compile_step_kernels(k_cache, v_cache, kv_scales, num_heads: int, dtype: tor
         prefill_attention_triton(q, kv, kv, cu, ctx, tables, k_cache, v_cache, 1.0, prefix, kv_scales=kv_scales)
     tables, ctx = one_sequence(2)
     for splits in (1 << i for i in range(MAX_DECODE_SPLITS.bit_length())):
-        decode_attention_triton(q, k_cache, v_cache, tables, ctx, 1.0, num_splits=splits, kv_scales=kv_scales)
+        decode_attention(q, k_cache, v_cache, tables, ctx, 1.0, kv_scales=kv_scales, num_splits=splits)
 
 
-def prefill_attention(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale,
-                      max_prefix: int | None = None, out=None, block_ends=None, kv_scales=None):
-    """max_prefix: the step's longest cached prefix (from the host), which picks the kernel's tiling;
-    0 promises that no chunk has one (the kernel then compiles without the prefix loops), None: not
-    known.
-    out: where the result goes (contiguous, q's shape), else a new tensor. block_ends: int32 [P],
-    the running count of each sequence's ceil(q_len / PREFILL_BLOCK_M) query blocks, where the
-    caller has it (engine/batch.py counts it once per step). kv_scales: (k_scale, v_scale) of an
-    FP8 cache."""
-    if triton_runs(q):
-        return prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables,
-                                        k_cache, v_cache, scale, max_prefix, out, block_ends, kv_scales)
+def _flash_fits(p: Problem) -> str | None:
+    """FlashAttention-2 (aten's, on sm_80+) for fresh prompts averaging under FRESH_PROMPT_LEN
+    tokens: from there the prefill kernel is the faster (BENCHMARKS.md, "Prefill attention")."""
+    dtype, _, _, fresh, short, max_len_known = p.detail
+    cap = capability(p.device)
+    if cap is None or cap < (8, 0) or dtype not in (torch.bfloat16, torch.float16) or p.k > 256:
+        return "needs sm_80+, 16-bit q and heads of at most 256"
+    if not fresh:
+        return "takes prompts with no cached prefix"
+    if not short:
+        return f"takes prompts averaging under {FRESH_PROMPT_LEN} tokens"
+    return None if max_len_known else "needs the longest prompt's length from the host"
+
+
+def _prefill_flash(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale, max_prefix=None,
+                   out=None, block_ends=None, kv_scales=None, max_len=None):
+    o = prefill_attention_flash(q, k, v, cu_seqlens_q, max_len, scale)
+    return o if out is None else output_buffer(out, q.shape, q.dtype, q.device).copy_(o)
+
+
+def _prefill_triton(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale, max_prefix=None,
+                    out=None, block_ends=None, kv_scales=None, max_len=None):
+    return prefill_attention_triton(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale,
+                                    max_prefix, out, block_ends, kv_scales)
+
+
+def _prefill_reference(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale,
+                       max_prefix=None, out=None, block_ends=None, kv_scales=None, max_len=None):
     if k_cache is not None:
         check_kv_scales(k_cache, q.shape[-1], kv_scales)
     o = prefill_attention_ref(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale,
                               kv_scales)
     return o if out is None else output_buffer(out, q.shape, q.dtype, q.device).copy_(o)
+
+
+PREFILL_ATTENTION = {"other": [
+    Kernel("flash_attention_2", _prefill_flash, check=_flash_fits),
+    Kernel("triton", _prefill_triton, needs_cuda=False, check=_triton_fits),
+    Kernel("reference", _prefill_reference, reference=True)]}
+
+
+def prefill_kernel(q: torch.Tensor, fp8_cache: bool, max_prefix: int | None, num_seqs: int,
+                   max_len: int | None = None) -> Kernel:
+    """The kernel prefill_attention runs for a step's prefill rows q [T, heads, hd] of `num_seqs`
+    prompts."""
+    fresh, short = max_prefix == 0, q.shape[0] < FRESH_PROMPT_LEN * num_seqs
+    return select(PREFILL_ATTENTION, _problem("prefill_attention", q, fp8_cache, fresh, short,
+                                              max_len is not None)).kernel
+
+
+def prefill_attention(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale,
+                      max_prefix: int | None = None, out=None, block_ends=None, kv_scales=None,
+                      max_len: int | None = None):
+    """Packed prompts (chunks) q [T, heads, hd] attending to their cached prefix and to themselves,
+    on the selected kernel. max_prefix: the step's longest cached prefix (from the host), which
+    picks the kernel and its tiling; 0 promises that no chunk has one (the prefill kernel then
+    compiles without the prefix loops), None: not known. max_len: the longest prompt (from the
+    host; FlashAttention-2 needs it).
+    out: where the result goes (contiguous, q's shape), else a new tensor. block_ends: int32 [P],
+    the running count of each sequence's ceil(q_len / PREFILL_BLOCK_M) query blocks, where the
+    caller has it (engine/batch.py counts it once per step). kv_scales: (k_scale, v_scale) of an
+    FP8 cache."""
+    kernel = prefill_kernel(q, kv_scales is not None, max_prefix, context_lens.shape[0], max_len)
+    return kernel.run(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale, max_prefix,
+                      out, block_ends, kv_scales, max_len)

@@ -1,9 +1,9 @@
 """Kernel selection: one ordered list of implementations per op, one place that picks from it.
 
-An op (the FP8 GEMM, the NVFP4 GEMM, the 2:4 GEMM, ...) has, per GPU architecture, a list of
-`Kernel`s in priority order, written in its weight format's module (engine/formats) as a table
-{capability major: [Kernel, ...], "other": [...]}; the CPU and architectures the table does not
-name take "other". Each kernel says whether it can run and why not: the largest M it takes and a
+An op (the FP8 GEMM, the NVFP4 GEMM, the 2:4 GEMM, ..., the decode and prefill attention) has,
+per GPU architecture, a list of `Kernel`s in priority order, written in its weight format's module
+(engine/formats; the attention's in engine/kernels/attention.py) as a table {capability major:
+[Kernel, ...], "other": [...]}; the CPU and architectures the table does not name take "other". Each kernel says whether it can run and why not: the largest M it takes and a
 `check` of the operands (shapes, dtypes, storage, libraries). `select` returns the first kernel
 that can run, or the one the tuner chose for this M bucket where that one can run, with its
 launch configuration.
@@ -31,8 +31,9 @@ log = logging.getLogger("microengine.kernels")
 
 @dataclass(frozen=True)
 class Problem:
-    """One GEMM-like call: M rows of activations against an [N, K] weight on `device`; `detail`
-    holds what else a kernel may depend on (value dtype, storage order, ...), hashable."""
+    """One GEMM-like call: M rows of activations against an [N, K] weight on `device` (for the
+    attention: M query rows, N query heads, K their dimension); `detail` holds what else a kernel
+    may depend on (value dtype, storage order, ...), hashable."""
     op: str
     m: int
     n: int
