@@ -21,12 +21,12 @@ whose `write_kv_ref` is the reference), and the decode kernel its own rows'.
   merge is shared.
 - `prefill_attention`: packed variable-length sequences. Short prompts with no cached prefix, in
   bf16/fp16 on sm_80+, go to FlashAttention-2's variable-length kernel over the packed rows
-  (cu_seqlens), GQA native. The others to this module's prefill kernel: one program per (block of
-  queries of one sequence, query head), causal aligned bottom-right: the cached prefix is read from the paged
-  cache through the block table, this step's keys straight from k and v. Only the prefix's last
-  tile and the diagonal tiles are masked; every other key tile runs without masks. Blocks start
-  last first (the most keys first); a step the host knows to have no prefix runs a binary without
-  the prefix loops.
+  (cu_seqlens), GQA native; the others to this module's prefill kernel: one program per (block of
+  queries of one sequence, query head), causal aligned bottom-right: the cached prefix is read from
+  the paged cache through the block table, this step's keys straight from k and v. Only the
+  prefix's last tile and the diagonal tiles are masked; every other key tile runs without masks.
+  Blocks start last first (the most keys first); a step the host knows to have no prefix runs a
+  binary without the prefix loops.
 - `compile_step_kernels`: these kernels run outside the step graphs, on each step's own shapes, and
   take whatever changes between steps as runtime arguments; this compiles the few binaries left
   (per model) when the engine starts, so none compiles while a request waits.
@@ -47,9 +47,9 @@ import torch
 
 from engine.kernels.norms import e4m3_scale, quantize_e4m3
 from engine.kernels.platform import capability, interpreting, jit, output_buffer, sm_count, triton_runs
-from engine.kernels.select import Kernel, Problem, select
 from engine.kernels.rope import (apply_rope_ref, check_cache, check_kv_scales, dequantize_kv_ref, rope_cos_sin,
                                  rope_rotate, write_kv_ref)
+from engine.kernels.select import Kernel, Problem, select
 
 try:
     import triton
@@ -588,7 +588,7 @@ DECODE_ATTENTION = {"other": [
 
 def decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, fp8_cache: bool) -> Kernel:
     """The kernel decode_attention runs for these queries over this cache."""
-    group = q.shape[1] // max(k_cache.shape[2], 1)
+    group = q.shape[1] // k_cache.shape[2]
     return select(DECODE_ATTENTION, _problem("decode_attention", q, fp8_cache, k_cache.shape[1], group)).kernel
 
 
