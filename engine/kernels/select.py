@@ -3,10 +3,10 @@
 An op (the FP8 GEMM, the NVFP4 GEMM, the 2:4 GEMM, ..., the decode and prefill attention) has,
 per GPU architecture, a list of `Kernel`s in priority order, written in its weight format's module
 (engine/formats; the attention's in engine/kernels/attention.py) as a table {capability major:
-[Kernel, ...], "other": [...]}; the CPU and architectures the table does not name take "other". Each kernel says whether it can run and why not: the largest M it takes and a
-`check` of the operands (shapes, dtypes, storage, libraries). `select` returns the first kernel
-that can run, or the one the tuner chose for this M bucket where that one can run, with its
-launch configuration.
+[Kernel, ...], "other": [...]}; the CPU and architectures the table does not name take "other".
+Each kernel says whether it can run and why not: the largest M it takes and a `check` of the
+operands (shapes, dtypes, storage, libraries). `select` returns the first kernel that can run, or
+the one the tuner chose for this M bucket where that one can run, with its launch configuration.
 
 The choice is cached per (op, architecture, M bucket, N, K, detail): every later call is one dict
 lookup. It is logged once per such key. A CUDA call that ends on the reference warns once, with
