@@ -576,6 +576,7 @@ def _gluon_decode_fits(p: Problem) -> str | None:
 
 def _decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv=None, out=None,
                       kv_scales=None, num_splits=None):
+    check_kv_scales(k_cache, q.shape[-1], kv_scales)   # (the launch path checks in check_cache)
     o = decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv, kv_scales)
     return o if out is None else output_buffer(out, q.shape, q.dtype, q.device).copy_(o)
 
@@ -598,7 +599,6 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, new
     `out` where given (contiguous, q's shape), else a new tensor. kv_scales: (k_scale, v_scale) of
     an FP8 cache. num_splits: a power of two up to MAX_DECODE_SPLITS that overrides the split
     count (tests, the benchmark's sweep, compile_step_kernels)."""
-    check_kv_scales(k_cache, q.shape[-1], kv_scales)
     kernel = decode_kernel(q, k_cache, kv_scales is not None)
     return kernel.run(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv, out, kv_scales, num_splits)
 
