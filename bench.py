@@ -48,6 +48,8 @@ CONFIGS = {
     "2:4+fp8":      ({"sparse_ffn": "magnitude", "weights": "fp8"}, False),
     "kv-fp8":       ({"kv_cache_dtype": "fp8"}, False),
     "fp8+kv-fp8":   ({"weights": "fp8", "kv_cache_dtype": "fp8"}, False),
+    "nvfp4+kv-fp8": ({"weights": "nvfp4", "kv_cache_dtype": "fp8"}, False),
+    "2:4+fp8+kv-fp8": ({"sparse_ffn": "magnitude", "weights": "fp8", "kv_cache_dtype": "fp8"}, False),
     "overlap-off":  ({"overlap": False}, True),
 }
 GEMM_SWITCHES = ("weights", "sparse_ffn")     # configs that change the GEMMs get roofline points

@@ -16,7 +16,8 @@ most time of their own and the most time in all are printed, with the step's wal
 time the host spent waiting for the device (`Engine.stats`).
 
 --graph B1,B2,..: the decode step as it runs in serving, a captured CUDA graph (engine/cuda_graphs.py)
-at each batch size, every sequence at --context tokens. Prints the median replay time (CUDA events,
+at each batch size, every sequence at --context tokens (or lengths drawn from a range), each on its own
+pages of the KV cache. Prints the median replay time (CUDA events,
 no host in it), the kernels' summed time and count (the difference is what kernel boundaries cost
 inside the graph), and the kernels by total time.
 """
@@ -55,7 +56,9 @@ def main(argv=None) -> None:
                          "prefill the prompts in chunks, each later chunk attending to its cached prefix")
     ap.add_argument("--decode", type=int, default=0, help="profile decode steps at this batch instead")
     ap.add_argument("--graph", default=None, help="profile the captured decode graph at these batch sizes")
-    ap.add_argument("--context", type=int, default=512, help="--graph: tokens in each sequence's KV cache")
+    ap.add_argument("--context", default="512",
+                    help="--graph: tokens in each sequence's KV cache, N or A..B (uniform, longest first)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) or fp8")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--host", action="store_true", help="profile the host side of the step (cProfile)")
     args = ap.parse_args(argv)
@@ -65,7 +68,7 @@ def main(argv=None) -> None:
         return profile_graphs(args, [int(b) for b in args.graph.split(",")])
     seqs, length = (int(v) for v in args.prefill.split("x"))
     engine = Engine(EngineConfig(model=args.model, weights=args.weights, sparse_ffn=args.sparse_ffn, lm_head=args.lm_head,
-                                 kv_cache_tokens=max(65536, 2 * seqs * length), max_model_len=max(8192, length + 16),
+                                 kv_cache_dtype=args.kv_cache_dtype, kv_cache_tokens=max(65536, 2 * seqs * length), max_model_len=max(8192, length + 16),
                                  max_num_batched_tokens=args.step_tokens or max(8192, seqs * length)))
     g = torch.Generator().manual_seed(0)
 
@@ -120,19 +123,43 @@ def profile_host(engine: Engine, requests, what: str, args) -> None:
         stats.sort_stats(key).print_stats(args.top)
 
 
+def decode_contexts(spec: str, batch: int, seed: int = 0) -> list[int]:
+    """--context: "N" gives every row N tokens; "A..B" draws each row's length uniformly in A..B, laid
+    out longest first, as a serving step orders its decode rows."""
+    if ".." not in spec:
+        return [int(spec)] * batch
+    lo, hi = (int(v) for v in spec.split(".."))
+    g = torch.Generator().manual_seed(seed)
+    return sorted(torch.randint(lo, hi + 1, (batch,), generator=g).tolist(), reverse=True)
+
+
 def profile_graphs(args, batches: list[int]) -> None:
     from engine.cuda_graphs import DecodeGraphs
+    contexts = {b: decode_contexts(args.context, b) for b in batches}
+    bs = 16
+    blocks = max(sum(-(-c // bs) for c in ctx) for ctx in contexts.values())
     engine = Engine(EngineConfig(model=args.model, weights=args.weights, sparse_ffn=args.sparse_ffn, lm_head=args.lm_head,
-                                 kv_cache_tokens=max(16384, 2 * max(batches) * args.context),
+                                 kv_cache_dtype=args.kv_cache_dtype, block_size=bs,
+                                 kv_cache_tokens=max(16384, (blocks + 1) * bs),
                                  cuda_graphs=False, max_num_seqs=max(batches)))
     graphs = DecodeGraphs(engine.model, engine.kv_cache, max(batches),
-                          -(-engine.max_model_len // engine.config.block_size), engine.kv_cache.scratch_block)
+                          -(-engine.max_model_len // bs), engine.kv_cache.scratch_block)
     graphs.buckets = sorted(batches)
-    # Every row attends over `context` positions of the scratch block's pages (what it reads is
-    # immaterial to the timing; how much is not).
-    graphs.context_lens.fill_(args.context)
+    graphs.context_lens.fill_(max(max(c) for c in contexts.values()))
     graphs.capture()
+
+    def lay_out(ctx: list[int]) -> None:
+        # Each row its own pages, as in serving: rows that shared pages would read them from L2.
+        graphs.block_tables.fill_(graphs.scratch_block)
+        graphs.context_lens.fill_(1)
+        first = 0
+        for r, c in enumerate(ctx):
+            n = -(-c // bs)
+            graphs.block_tables[r, :n] = torch.arange(first, first + n, dtype=torch.int32)
+            graphs.context_lens[r] = c
+            first += n
     for b in graphs.buckets:
+        lay_out(contexts[b])
         step = event_ms(graphs.graphs[b].replay, rep=60, warmup=5)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
@@ -142,7 +169,7 @@ def profile_graphs(args, batches: list[int]) -> None:
         kernel_ms = sum(e.self_device_time_total for e in events) / 5 / 1e3
         calls = sum(e.count for e in events) / 5
         print(f"# {args.model} weights={args.weights} sparse_ffn={args.sparse_ffn}: decode graph, batch {b}, "
-              f"context {args.context}: step {step:.3f} ms; {calls:.0f} kernels, {kernel_ms:.3f} ms of kernel "
+              f"context {args.context} ({sum(contexts[b]):,} tokens read): step {step:.3f} ms; {calls:.0f} kernels, {kernel_ms:.3f} ms of kernel "
               f"time ({(step - kernel_ms) / calls * 1e3:+.2f} us a kernel outside them)")
         print("| kernel | calls | ms | share |\n|---|---:|---:|---:|")
         for e in sorted(events, key=lambda e: -e.self_device_time_total)[:args.top]:

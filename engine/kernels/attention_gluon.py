@@ -1,4 +1,5 @@
-"""Decode attention over an FP8 paged KV cache, in Gluon (sm_89+): every operand in registers.
+"""Decode attention over an FP8 paged KV cache, in Gluon (sm_89+): MMA operands straight from the
+bytes each thread copied.
 
 `fp8_cache_decode_kernel` has the contract of engine/kernels/attention.py's `_decode_kernel` with an
 FP8 cache (KV_FP8), and that module launches it and merges its splits: one program per (KV head,
@@ -13,8 +14,9 @@ its largest, which multiplies the page's product).
 Design. The Triton kernel streams the FP8 cache at about half the copy bandwidth: its tiles go
 through shared memory and back into MMA fragments byte by byte, and three programs of 168
 registers an SM leave too few warps to cover that (BENCHMARKS.md, "FP8 KV cache"). Here each warp
-takes whole pages (16 keys) of its program's split, runs its own online softmax, and loads its
-bytes with 16-byte loads straight into the registers the MMA reads; the warps meet once, at the end.
+takes whole pages (16 keys) of its program's split, runs its own online softmax, and moves each
+thread's bytes in 16-byte pieces to exactly the registers the MMA reads; the warps meet once, at
+the end.
 - Scores: S^T = K Q^T, mma.sync m16n8k16 f16: K the A operand (16 keys x 128 d), Q^T the B operand
   (8 head columns). The dot runs over d in a permuted order, the same for K and Q, in which each
   thread's 32 values of a key row are 32 contiguous bytes: d = 32t + 4s + 2h + p is the MMA's
@@ -24,8 +26,12 @@ bytes with 16-byte loads straight into the registers the MMA reads; the warps me
   thread reads 16 contiguous bytes of each of its four key rows: d = 16g + 2i + e is row
   16i + 8e + g (g the lane quad); the store puts them back.
 - e4m3 -> f16 in inline PTX, a word (4 values) in two `cvt.rn.f16x2.e4m3x2`.
-- The next page's bytes and scales are loaded before a page's math, so a warp has two pages in
-  flight; 168 registers (the launch caps them) fit three programs an SM.
+- The pace is set by how many warps an SM holds, not by how far ahead each loads: the next page's
+  bytes and scales travel by cp.async into a two-page ring in shared memory (a thread copies the
+  bytes it will read, so a page waits on `cp.async.wait_group` and one barrier that frees the
+  slot), which leaves the registers to 128 a thread (the launch caps them): four programs an SM,
+  where the same prefetch held in registers needed 168 and fit three. Deeper rings, or three
+  programs with more registers, were slower (BENCHMARKS.md, "Tried and did not pay").
 Splits (attention.py's FP8_GLUON_MAX_SPLITS at most): each a multiple of the warps' 4 pages, so the
 late splits of short contexts may be empty (they store l = 0, as the Triton kernel's do).
 """
@@ -33,17 +39,25 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp_async
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 # The CTA-wide barrier is gl.thread_barrier in Triton 3.6 (the GPU machine's) and gl.barrier in later
 # releases: the store of the new row compiles with either.
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+# cp.async from global to shared memory: async_copy_global_to_shared in Triton 3.6, async_load later.
+_copy_to_shared = getattr(cp_async, "async_load", None) or cp_async.async_copy_global_to_shared
 
 HEAD_DIM = gl.constexpr(128)
 PAGE = gl.constexpr(16)    # keys per cache block: one MMA tile of keys
 MAX_GROUP = 8              # query heads per KV head: the B operand's 8 columns
 NUM_WARPS = 4
-MAX_REGISTERS = 168
+MAX_REGISTERS = 128        # four programs of 4 warps an SM
+STAGES = gl.constexpr(2)   # pages a warp holds in shared memory: STAGES - 1 in flight beside the one in use
+# A page's rows are 128 bytes: 16-byte chunks XOR-swizzled by row so that the 8 rows a load
+# instruction touches fall in distinct banks.
+WORDS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(4, 1, 8, [2, 1, 0]))
+SCALES_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
 
 @gluon.constexpr_function
@@ -105,33 +119,42 @@ def _row_order(x, W: gl.constexpr):
 
 
 @gluon.jit
-def _page_words(cache_ptr, table_ptr, first, end, kv_head, stride_wb, stride_wr,
-                layout: gl.constexpr, W: gl.constexpr):
-    """Pages first + w of a sequence (w the warp), [W, 16, 32] words in `layout`; keys at or past
-    `end` read as 0 (every value the MMA sees is finite)."""
-    w = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
-    r = gl.arange(0, PAGE, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
-    c = gl.arange(0, HEAD_DIM // 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))
-    idx = first + w
-    page = gl.load(table_ptr + idx, mask=idx * PAGE < end, other=0).to(gl.int64)
-    words = cache_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-    offs = (page[:, None, None] * stride_wb + r[None, :, None] * stride_wr + kv_head * (HEAD_DIM // 4)
-            + c[None, None, :])
-    key = idx[:, None] * PAGE + r[None, :]
-    return gl.load(words + offs, mask=(key < end)[:, :, None], other=0)
+def _page_ids(table_ptr, first, end, layout: gl.constexpr):
+    """The cache blocks of pages first + w of a sequence (w the warp), [W] int64 in `layout` (a
+    slice to [W]); 0 for pages at or past `end`, whose loads are masked."""
+    W: gl.constexpr = gl.num_warps()
+    idx = first + gl.arange(0, W, layout=layout)
+    return gl.load(table_ptr + idx, mask=idx * PAGE < end, other=0).to(gl.int64)
 
 
 @gluon.jit
-def _page_scales(scale_ptr, table_ptr, first, end, kv_head, stride_sb, stride_sr,
-                 layout: gl.constexpr, W: gl.constexpr):
-    """The same pages' row scales [W, 16] in `layout`, 0 past `end`."""
+def _copy_page_words(dst, cache_ptr, page, first, end, kv_head, stride_wb, stride_wr,
+                     layout: gl.constexpr):
+    """Asynchronous copies of pages first + w (blocks `page`, [W] int64 in a slice of `layout`) into
+    the shared [W, 16, 32] words `dst`, each thread the bytes it later reads; keys at or past `end`
+    land as 0 (every value the MMA sees is finite)."""
+    W: gl.constexpr = gl.num_warps()
+    w = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
+    r = gl.arange(0, PAGE, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
+    c = gl.arange(0, HEAD_DIM // 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))
+    words = cache_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+    offs = (page[:, None, None] * stride_wb + r[None, :, None] * stride_wr + kv_head * (HEAD_DIM // 4)
+            + c[None, None, :])
+    key = (first + w)[:, None] * PAGE + r[None, :]
+    _copy_to_shared(dst, words + offs, mask=(key < end)[:, :, None],
+                                         cache_modifier=".cg")
+
+
+@gluon.jit
+def _copy_page_scales(dst, scale_ptr, page, first, end, kv_head, stride_sb, stride_sr,
+                      layout: gl.constexpr):
+    """The same pages' row scales into the shared [W, 16] `dst`, 0 past `end`."""
+    W: gl.constexpr = gl.num_warps()
     w = gl.arange(0, W, layout=gl.SliceLayout(1, layout))
     r = gl.arange(0, PAGE, layout=gl.SliceLayout(0, layout))
-    idx = first + w
-    page = gl.load(table_ptr + idx, mask=idx * PAGE < end, other=0).to(gl.int64)
-    key = idx[:, None] * PAGE + r[None, :]
-    return gl.load(scale_ptr + page[:, None] * stride_sb + r[None, :] * stride_sr + kv_head,
-                   mask=key < end, other=0.0)
+    key = (first + w)[:, None] * PAGE + r[None, :]
+    _copy_to_shared(
+        dst, scale_ptr + page[:, None] * stride_sb + r[None, :] * stride_sr + kv_head, mask=key < end)
 
 
 @gluon.jit
@@ -234,19 +257,50 @@ def fp8_cache_decode_kernel(q_ptr, k_ptr, v_ptr, inv_freq_ptr, k_cache_ptr, v_ca
     acc = gl.zeros([W, HEAD_DIM, 8], gl.float32, layout=mma)
     wi = gl.arange(0, W, layout=gl.SliceLayout(1, keys_l))
     ri = gl.arange(0, PAGE, layout=gl.SliceLayout(0, keys_l))
+    # A ring of STAGES pages a warp in shared memory, filled by cp.async STAGES - 1 pages ahead of
+    # the math; a page's block-table entries are read one iteration before its copies start, so
+    # that the copies need not wait for them.
+    k_ring = gl.allocate_shared_memory(gl.int32, [STAGES, W, PAGE, HEAD_DIM // 4], WORDS_SMEM)
+    v_ring = gl.allocate_shared_memory(gl.int32, [STAGES, W, PAGE, HEAD_DIM // 4], WORDS_SMEM)
+    ks_ring = gl.allocate_shared_memory(gl.float32, [STAGES, W, PAGE], SCALES_SMEM)
+    vs_ring = gl.allocate_shared_memory(gl.float32, [STAGES, W, PAGE], SCALES_SMEM)
+    kp_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, kl))
+    vp_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, vl))
+    sp_l: gl.constexpr = gl.SliceLayout(1, keys_l)
     first = start // PAGE
-    k_words = _page_words(k_cache_ptr, table, first, end, kv_head, stride_wb, stride_wr, kl, W)
-    v_words = _page_words(v_cache_ptr, table, first, end, kv_head, stride_wb, stride_wr, vl, W)
-    ks = _page_scales(k_scale_ptr, table, first, end, kv_head, stride_sb, stride_sr, keys_l, W)
-    vs = _page_scales(v_scale_ptr, table, first, end, kv_head, stride_sb, stride_sr, keys_l, W)
+    kp = _page_ids(table, first, end, kp_l)
+    vp = _page_ids(table, first, end, vp_l)
+    sp = _page_ids(table, first, end, sp_l)
+    for i in gl.static_range(STAGES - 1):
+        pi = first + i * W
+        _copy_page_words(k_ring.index(i), k_cache_ptr, kp, pi, end, kv_head, stride_wb, stride_wr, kl)
+        _copy_page_words(v_ring.index(i), v_cache_ptr, vp, pi, end, kv_head, stride_wb, stride_wr, vl)
+        _copy_page_scales(ks_ring.index(i), k_scale_ptr, sp, pi, end, kv_head, stride_sb, stride_sr, keys_l)
+        _copy_page_scales(vs_ring.index(i), v_scale_ptr, sp, pi, end, kv_head, stride_sb, stride_sr, keys_l)
+        cp_async.commit_group()
+        kp = _page_ids(table, pi + W, end, kp_l)
+        vp = _page_ids(table, pi + W, end, vp_l)
+        sp = _page_ids(table, pi + W, end, sp_l)
     for j in range(gl.cdiv(gl.cdiv(end - start, PAGE), W)):
         pj = first + j * W
-        # the next pages' bytes and scales are in flight while this page's math runs
-        k_next = _page_words(k_cache_ptr, table, pj + W, end, kv_head, stride_wb, stride_wr, kl, W)
-        v_next = _page_words(v_cache_ptr, table, pj + W, end, kv_head, stride_wb, stride_wr, vl, W)
-        ks_next = _page_scales(k_scale_ptr, table, pj + W, end, kv_head, stride_sb, stride_sr, keys_l, W)
-        vs_next = _page_scales(v_scale_ptr, table, pj + W, end, kv_head, stride_sb, stride_sr, keys_l, W)
+        # page j's copies are done, and every thread is past page j - 1's reads: its slot is free
+        cp_async.wait_group(STAGES - 2)
+        _cta_barrier()
+        pn = pj + (STAGES - 1) * W
+        slot = (j + STAGES - 1) % STAGES
+        _copy_page_words(k_ring.index(slot), k_cache_ptr, kp, pn, end, kv_head, stride_wb, stride_wr, kl)
+        _copy_page_words(v_ring.index(slot), v_cache_ptr, vp, pn, end, kv_head, stride_wb, stride_wr, vl)
+        _copy_page_scales(ks_ring.index(slot), k_scale_ptr, sp, pn, end, kv_head, stride_sb, stride_sr, keys_l)
+        _copy_page_scales(vs_ring.index(slot), v_scale_ptr, sp, pn, end, kv_head, stride_sb, stride_sr, keys_l)
+        cp_async.commit_group()
+        kp = _page_ids(table, pn + W, end, kp_l)
+        vp = _page_ids(table, pn + W, end, vp_l)
+        sp = _page_ids(table, pn + W, end, sp_l)
 
+        k_words = k_ring.index(j % STAGES).load(kl)
+        v_words = v_ring.index(j % STAGES).load(vl)
+        ks = ks_ring.index(j % STAGES).load(keys_l)
+        vs = vs_ring.index(j % STAGES).load(keys_l)
         k_op = gl.convert_layout(_dot_order(_e4m3_words(k_words, W), W, 16), gl.DotOperandLayout(0, mma, 2))
         s = mma_v2(k_op, q_op, gl.zeros([W, 16, 8], gl.float32, layout=mma))
         s = s * (ks * scale_log2e)[:, :, None]
@@ -268,10 +322,9 @@ def fp8_cache_decode_kernel(q_ptr, k_ptr, v_ptr, inv_freq_ptr, k_cache_ptr, v_ca
         o = mma_v2(v_op, p_op, gl.zeros([W, HEAD_DIM, 8], gl.float32, layout=mma))
         acc = acc * alpha[:, None, :] + o * v_max[:, None, None]
         m = m_new
-        k_words = k_next
-        v_words = v_next
-        ks = ks_next
-        vs = vs_next
+    # the last copies (pages past the end, zero-filled) land before the merge's scratch, which may
+    # reuse the ring's memory, and before the program ends
+    cp_async.wait_group(0)
 
     # the warps' softmaxes merge
     top = gl.max(m, axis=0)
