@@ -141,8 +141,7 @@ def _copy_page_words(dst, cache_ptr, page, first, end, kv_head, stride_wb, strid
     offs = (page[:, None, None] * stride_wb + r[None, :, None] * stride_wr + kv_head * (HEAD_DIM // 4)
             + c[None, None, :])
     key = (first + w)[:, None] * PAGE + r[None, :]
-    _copy_to_shared(dst, words + offs, mask=(key < end)[:, :, None],
-                                         cache_modifier=".cg")
+    _copy_to_shared(dst, words + offs, mask=(key < end)[:, :, None], cache_modifier=".cg")
 
 
 @gluon.jit
