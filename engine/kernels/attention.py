@@ -553,9 +553,14 @@ def _problem(op: str, q: torch.Tensor, fp8_cache: bool, *facts) -> Problem:
 
 
 def _triton_fits(p: Problem) -> str | None:
-    if triton is None:
-        return "Triton is not installed"
-    return None if p.device.type == "cuda" or p.detail[2] else "runs on CUDA or in Triton's interpreter"
+    if triton_runs(p.device):
+        return None
+    return "Triton is not installed" if triton is None else "runs on CUDA or in Triton's interpreter"
+
+
+def _into(out, o: torch.Tensor) -> torch.Tensor:
+    """A reference path's result `o`, or `out` (checked as output_buffer checks it) holding it."""
+    return o if out is None else output_buffer(out, o.shape, o.dtype, o.device).copy_(o)
 
 
 def _gluon_decode_fits(p: Problem) -> str | None:
@@ -578,7 +583,7 @@ def _decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale, ne
                       kv_scales=None, num_splits=None):
     check_kv_scales(k_cache, q.shape[-1], kv_scales)   # (the launch path checks in check_cache)
     o = decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv, kv_scales)
-    return o if out is None else output_buffer(out, q.shape, q.dtype, q.device).copy_(o)
+    return _into(out, o)
 
 
 DECODE_ATTENTION = {"other": [
@@ -649,7 +654,7 @@ def _flash_fits(p: Problem) -> str | None:
 def _prefill_flash(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale, max_prefix=None,
                    out=None, block_ends=None, kv_scales=None, max_len=None):
     o = prefill_attention_flash(q, k, v, cu_seqlens_q, max_len, scale)
-    return o if out is None else output_buffer(out, q.shape, q.dtype, q.device).copy_(o)
+    return _into(out, o)
 
 
 def _prefill_triton(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale, max_prefix=None,
@@ -664,7 +669,7 @@ def _prefill_reference(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cach
         check_kv_scales(k_cache, q.shape[-1], kv_scales)
     o = prefill_attention_ref(q, k, v, cu_seqlens_q, context_lens, block_tables, k_cache, v_cache, scale,
                               kv_scales)
-    return o if out is None else output_buffer(out, q.shape, q.dtype, q.device).copy_(o)
+    return _into(out, o)
 
 
 PREFILL_ATTENTION = {"other": [

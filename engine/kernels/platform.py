@@ -41,8 +41,10 @@ def jit(fn=None, **options):
     return triton.jit(fn, **options) if triton is not None else fn
 
 
-def triton_runs(t: torch.Tensor) -> bool:
-    return triton is not None and (t.is_cuda or interpreting())
+def triton_runs(where: torch.Tensor | torch.device) -> bool:
+    """Triton kernels run for a tensor (or device) here: on CUDA, or anywhere under the interpreter."""
+    device = where.device if isinstance(where, torch.Tensor) else where
+    return triton is not None and (device.type == "cuda" or interpreting())
 
 
 def output_buffer(out: torch.Tensor | None, shape, dtype: torch.dtype, device, name: str = "out") -> torch.Tensor:
