@@ -3,6 +3,7 @@
     python benchmarks/profile_step.py --model llama-3.1-8b --weights fp8 --prefill 4x2048
     python benchmarks/profile_step.py --model llama-3.1-8b --decode 64
     python benchmarks/profile_step.py --model llama-3.1-8b --weights nvfp4 --graph 1,16
+    python benchmarks/profile_step.py --model llama-3.1-8b --kv-cache-dtype fp8 --graph 256 --context 100..2048
     python benchmarks/profile_step.py --model llama-3.1-8b --sparse-ffn magnitude --prefill 4x2048 --host
     python benchmarks/profile_step.py --model llama-3.1-8b --prefill 1x32768 --step-tokens 8192
 
@@ -16,10 +17,10 @@ most time of their own and the most time in all are printed, with the step's wal
 time the host spent waiting for the device (`Engine.stats`).
 
 --graph B1,B2,..: the decode step as it runs in serving, a captured CUDA graph (engine/cuda_graphs.py)
-at each batch size, every sequence at --context tokens (or lengths drawn from a range), each on its own
-pages of the KV cache. Prints the median replay time (CUDA events,
-no host in it), the kernels' summed time and count (the difference is what kernel boundaries cost
-inside the graph), and the kernels by total time.
+at each batch size, every sequence at --context tokens (or at lengths drawn from a range), each on
+its own pages of the KV cache. Prints the median replay time (CUDA events, no host in it), the
+kernels' summed time and count (the difference is what kernel boundaries cost inside the graph),
+and the kernels by total time.
 """
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ def main(argv=None) -> None:
         return profile_graphs(args, [int(b) for b in args.graph.split(",")])
     seqs, length = (int(v) for v in args.prefill.split("x"))
     engine = Engine(EngineConfig(model=args.model, weights=args.weights, sparse_ffn=args.sparse_ffn, lm_head=args.lm_head,
-                                 kv_cache_dtype=args.kv_cache_dtype, kv_cache_tokens=max(65536, 2 * seqs * length), max_model_len=max(8192, length + 16),
+                                 kv_cache_dtype=args.kv_cache_dtype, kv_cache_tokens=max(65536, 2 * seqs * length),
+                                 max_model_len=max(8192, length + 16),
                                  max_num_batched_tokens=args.step_tokens or max(8192, seqs * length)))
     g = torch.Generator().manual_seed(0)
 
@@ -136,7 +138,7 @@ def decode_contexts(spec: str, batch: int, seed: int = 0) -> list[int]:
 def profile_graphs(args, batches: list[int]) -> None:
     from engine.cuda_graphs import DecodeGraphs
     contexts = {b: decode_contexts(args.context, b) for b in batches}
-    bs = 16
+    bs = 16     # the engine's default block size, fixed here so that the pages can be counted first
     blocks = max(sum(-(-c // bs) for c in ctx) for ctx in contexts.values())
     engine = Engine(EngineConfig(model=args.model, weights=args.weights, sparse_ffn=args.sparse_ffn, lm_head=args.lm_head,
                                  kv_cache_dtype=args.kv_cache_dtype, block_size=bs,
@@ -169,8 +171,8 @@ def profile_graphs(args, batches: list[int]) -> None:
         kernel_ms = sum(e.self_device_time_total for e in events) / 5 / 1e3
         calls = sum(e.count for e in events) / 5
         print(f"# {args.model} weights={args.weights} sparse_ffn={args.sparse_ffn}: decode graph, batch {b}, "
-              f"context {args.context} ({sum(contexts[b]):,} tokens read): step {step:.3f} ms; {calls:.0f} kernels, {kernel_ms:.3f} ms of kernel "
-              f"time ({(step - kernel_ms) / calls * 1e3:+.2f} us a kernel outside them)")
+              f"context {args.context} ({sum(contexts[b]):,} tokens read): step {step:.3f} ms; {calls:.0f} kernels, "
+              f"{kernel_ms:.3f} ms of kernel time ({(step - kernel_ms) / calls * 1e3:+.2f} us a kernel outside them)")
         print("| kernel | calls | ms | share |\n|---|---:|---:|---:|")
         for e in sorted(events, key=lambda e: -e.self_device_time_total)[:args.top]:
             ms = e.self_device_time_total / 5 / 1e3
