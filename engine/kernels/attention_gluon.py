@@ -157,6 +157,25 @@ def _copy_page_scales(dst, scale_ptr, page, first, end, kv_head, stride_sb, stri
 
 
 @gluon.jit
+def _copy_pages(k_dst, v_dst, ks_dst, vs_dst, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table,
+                kp, vp, sp, first, end, kv_head, stride_wb, stride_wr, stride_sb, stride_sr,
+                kl: gl.constexpr, vl: gl.constexpr, sl: gl.constexpr):
+    """Pages first + w (blocks kp, vp, sp: the same ids in slices of kl, vl and sl) into one slot of
+    the four rings, as one cp.async group; returns the blocks of the pages W further on, read now so
+    that their copies need not wait for them."""
+    W: gl.constexpr = gl.num_warps()
+    _copy_page_words(k_dst, k_cache_ptr, kp, first, end, kv_head, stride_wb, stride_wr, kl)
+    _copy_page_words(v_dst, v_cache_ptr, vp, first, end, kv_head, stride_wb, stride_wr, vl)
+    _copy_page_scales(ks_dst, k_scale_ptr, sp, first, end, kv_head, stride_sb, stride_sr, sl)
+    _copy_page_scales(vs_dst, v_scale_ptr, sp, first, end, kv_head, stride_sb, stride_sr, sl)
+    cp_async.commit_group()
+    nxt = first + W
+    return (_page_ids(table, nxt, end, gl.SliceLayout(1, gl.SliceLayout(2, kl))),
+            _page_ids(table, nxt, end, gl.SliceLayout(1, gl.SliceLayout(2, vl))),
+            _page_ids(table, nxt, end, gl.SliceLayout(1, sl)))
+
+
+@gluon.jit
 def _rope_cos_sin(pos, inv_freq_ptr, j):
     """engine/kernels/rope.py's rope_cos_sin, operation for operation (the same bits): cos and sin
     of pos * inv_freq[j], the angle reduced to [-pi, pi] with 2*pi in three parts."""
@@ -257,8 +276,7 @@ def fp8_cache_decode_kernel(q_ptr, k_ptr, v_ptr, inv_freq_ptr, k_cache_ptr, v_ca
     wi = gl.arange(0, W, layout=gl.SliceLayout(1, keys_l))
     ri = gl.arange(0, PAGE, layout=gl.SliceLayout(0, keys_l))
     # A ring of STAGES pages a warp in shared memory, filled by cp.async STAGES - 1 pages ahead of
-    # the math; a page's block-table entries are read one iteration before its copies start, so
-    # that the copies need not wait for them.
+    # the math (_copy_pages).
     k_ring = gl.allocate_shared_memory(gl.int32, [STAGES, W, PAGE, HEAD_DIM // 4], WORDS_SMEM)
     v_ring = gl.allocate_shared_memory(gl.int32, [STAGES, W, PAGE, HEAD_DIM // 4], WORDS_SMEM)
     ks_ring = gl.allocate_shared_memory(gl.float32, [STAGES, W, PAGE], SCALES_SMEM)
@@ -271,30 +289,19 @@ def fp8_cache_decode_kernel(q_ptr, k_ptr, v_ptr, inv_freq_ptr, k_cache_ptr, v_ca
     vp = _page_ids(table, first, end, vp_l)
     sp = _page_ids(table, first, end, sp_l)
     for i in gl.static_range(STAGES - 1):
-        pi = first + i * W
-        _copy_page_words(k_ring.index(i), k_cache_ptr, kp, pi, end, kv_head, stride_wb, stride_wr, kl)
-        _copy_page_words(v_ring.index(i), v_cache_ptr, vp, pi, end, kv_head, stride_wb, stride_wr, vl)
-        _copy_page_scales(ks_ring.index(i), k_scale_ptr, sp, pi, end, kv_head, stride_sb, stride_sr, keys_l)
-        _copy_page_scales(vs_ring.index(i), v_scale_ptr, sp, pi, end, kv_head, stride_sb, stride_sr, keys_l)
-        cp_async.commit_group()
-        kp = _page_ids(table, pi + W, end, kp_l)
-        vp = _page_ids(table, pi + W, end, vp_l)
-        sp = _page_ids(table, pi + W, end, sp_l)
+        kp, vp, sp = _copy_pages(k_ring.index(i), v_ring.index(i), ks_ring.index(i), vs_ring.index(i), k_cache_ptr,
+                                 v_cache_ptr, k_scale_ptr, v_scale_ptr, table, kp, vp, sp, first + i * W, end,
+                                 kv_head, stride_wb, stride_wr, stride_sb, stride_sr, kl, vl, keys_l)
     for j in range(gl.cdiv(gl.cdiv(end - start, PAGE), W)):
         pj = first + j * W
         # page j's copies are done, and every thread is past page j - 1's reads: its slot is free
         cp_async.wait_group(STAGES - 2)
         _cta_barrier()
-        pn = pj + (STAGES - 1) * W
         slot = (j + STAGES - 1) % STAGES
-        _copy_page_words(k_ring.index(slot), k_cache_ptr, kp, pn, end, kv_head, stride_wb, stride_wr, kl)
-        _copy_page_words(v_ring.index(slot), v_cache_ptr, vp, pn, end, kv_head, stride_wb, stride_wr, vl)
-        _copy_page_scales(ks_ring.index(slot), k_scale_ptr, sp, pn, end, kv_head, stride_sb, stride_sr, keys_l)
-        _copy_page_scales(vs_ring.index(slot), v_scale_ptr, sp, pn, end, kv_head, stride_sb, stride_sr, keys_l)
-        cp_async.commit_group()
-        kp = _page_ids(table, pn + W, end, kp_l)
-        vp = _page_ids(table, pn + W, end, vp_l)
-        sp = _page_ids(table, pn + W, end, sp_l)
+        kp, vp, sp = _copy_pages(k_ring.index(slot), v_ring.index(slot), ks_ring.index(slot), vs_ring.index(slot),
+                                 k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table, kp, vp, sp,
+                                 pj + (STAGES - 1) * W, end, kv_head, stride_wb, stride_wr, stride_sb, stride_sr,
+                                 kl, vl, keys_l)
 
         k_words = k_ring.index(j % STAGES).load(kl)
         v_words = v_ring.index(j % STAGES).load(vl)
