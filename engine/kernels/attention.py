@@ -17,8 +17,8 @@ whose `write_kv_ref` is the reference), and the decode kernel its own rows'.
   the end. fp32 softmax, online (exp2 domain). Given the rows' new k and v (`new_kv`), the kernel
   also applies RoPE to q and k, with the RoPE kernel's arithmetic (the same bits), and stores k and
   v in the cache: decode needs no RoPE launch. Over an FP8 cache on sm_89+ the same grid runs
-  engine/kernels/attention_gluon.py's kernel instead, which keeps every operand in registers; the
-  merge is shared.
+  engine/kernels/attention_gluon.py's kernel instead (each thread copies the cache bytes it feeds
+  the MMA into a shared-memory ring); the merge is shared.
 - `prefill_attention`: packed variable-length sequences. Short prompts with no cached prefix, in
   bf16/fp16 on sm_80+, go to FlashAttention-2's variable-length kernel over the packed rows
   (cu_seqlens), GQA native; the others to this module's prefill kernel: one program per (block of
