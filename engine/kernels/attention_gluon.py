@@ -158,21 +158,21 @@ def _copy_page_scales(dst, scale_ptr, page, first, end, kv_head, stride_sb, stri
 
 @gluon.jit
 def _copy_pages(k_dst, v_dst, ks_dst, vs_dst, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table,
-                kp, vp, sp, first, end, kv_head, stride_wb, stride_wr, stride_sb, stride_sr,
+                page, first, end, kv_head, stride_wb, stride_wr, stride_sb, stride_sr,
                 kl: gl.constexpr, vl: gl.constexpr, sl: gl.constexpr):
-    """Pages first + w (blocks kp, vp, sp: the same ids in slices of kl, vl and sl) into one slot of
-    the four rings, as one cp.async group; returns the blocks of the pages W further on, read now so
-    that their copies need not wait for them."""
+    """Pages first + w (blocks `page`, [W] in a slice of kl) into one slot of the four rings, as one
+    cp.async group; returns the blocks of the pages W further on, read now so that their copies
+    need not wait for them. Every lane of warp w holds block w in each of the three layouts, so one
+    load serves them all and the conversions move no data."""
     W: gl.constexpr = gl.num_warps()
-    _copy_page_words(k_dst, k_cache_ptr, kp, first, end, kv_head, stride_wb, stride_wr, kl)
+    vp = gl.convert_layout(page, gl.SliceLayout(1, gl.SliceLayout(2, vl)), assert_trivial=True)
+    sp = gl.convert_layout(page, gl.SliceLayout(1, sl), assert_trivial=True)
+    _copy_page_words(k_dst, k_cache_ptr, page, first, end, kv_head, stride_wb, stride_wr, kl)
     _copy_page_words(v_dst, v_cache_ptr, vp, first, end, kv_head, stride_wb, stride_wr, vl)
     _copy_page_scales(ks_dst, k_scale_ptr, sp, first, end, kv_head, stride_sb, stride_sr, sl)
     _copy_page_scales(vs_dst, v_scale_ptr, sp, first, end, kv_head, stride_sb, stride_sr, sl)
     cp_async.commit_group()
-    nxt = first + W
-    return (_page_ids(table, nxt, end, gl.SliceLayout(1, gl.SliceLayout(2, kl))),
-            _page_ids(table, nxt, end, gl.SliceLayout(1, gl.SliceLayout(2, vl))),
-            _page_ids(table, nxt, end, gl.SliceLayout(1, sl)))
+    return _page_ids(table, first + W, end, gl.SliceLayout(1, gl.SliceLayout(2, kl)))
 
 
 @gluon.jit
@@ -281,27 +281,22 @@ def fp8_cache_decode_kernel(q_ptr, k_ptr, v_ptr, inv_freq_ptr, k_cache_ptr, v_ca
     v_ring = gl.allocate_shared_memory(gl.int32, [STAGES, W, PAGE, HEAD_DIM // 4], WORDS_SMEM)
     ks_ring = gl.allocate_shared_memory(gl.float32, [STAGES, W, PAGE], SCALES_SMEM)
     vs_ring = gl.allocate_shared_memory(gl.float32, [STAGES, W, PAGE], SCALES_SMEM)
-    kp_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, kl))
-    vp_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, vl))
-    sp_l: gl.constexpr = gl.SliceLayout(1, keys_l)
     first = start // PAGE
-    kp = _page_ids(table, first, end, kp_l)
-    vp = _page_ids(table, first, end, vp_l)
-    sp = _page_ids(table, first, end, sp_l)
+    page = _page_ids(table, first, end, gl.SliceLayout(1, gl.SliceLayout(2, kl)))
     for i in gl.static_range(STAGES - 1):
-        kp, vp, sp = _copy_pages(k_ring.index(i), v_ring.index(i), ks_ring.index(i), vs_ring.index(i), k_cache_ptr,
-                                 v_cache_ptr, k_scale_ptr, v_scale_ptr, table, kp, vp, sp, first + i * W, end,
-                                 kv_head, stride_wb, stride_wr, stride_sb, stride_sr, kl, vl, keys_l)
+        page = _copy_pages(k_ring.index(i), v_ring.index(i), ks_ring.index(i), vs_ring.index(i), k_cache_ptr,
+                           v_cache_ptr, k_scale_ptr, v_scale_ptr, table, page, first + i * W, end,
+                           kv_head, stride_wb, stride_wr, stride_sb, stride_sr, kl, vl, keys_l)
     for j in range(gl.cdiv(gl.cdiv(end - start, PAGE), W)):
         pj = first + j * W
         # page j's copies are done, and every thread is past page j - 1's reads: its slot is free
         cp_async.wait_group(STAGES - 2)
         _cta_barrier()
         slot = (j + STAGES - 1) % STAGES
-        kp, vp, sp = _copy_pages(k_ring.index(slot), v_ring.index(slot), ks_ring.index(slot), vs_ring.index(slot),
-                                 k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table, kp, vp, sp,
-                                 pj + (STAGES - 1) * W, end, kv_head, stride_wb, stride_wr, stride_sb, stride_sr,
-                                 kl, vl, keys_l)
+        page = _copy_pages(k_ring.index(slot), v_ring.index(slot), ks_ring.index(slot), vs_ring.index(slot),
+                           k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table, page,
+                           pj + (STAGES - 1) * W, end, kv_head, stride_wb, stride_wr, stride_sb, stride_sr,
+                           kl, vl, keys_l)
 
         k_words = k_ring.index(j % STAGES).load(kl)
         v_words = v_ring.index(j % STAGES).load(vl)
