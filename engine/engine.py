@@ -51,6 +51,7 @@ log = logging.getLogger("microengine")
 
 CPU_KV_TOKENS = 16384          # the CPU has no "free device memory" to size from
 OFFLOAD_KV_TOKENS = 16384      # KV cache size planned into gpu_memory_limit when none is given
+WORKERS_EXIT_S = 30.0          # how long rank 0's close() waits for the other ranks before killing them
 
 
 @dataclass
@@ -296,7 +297,7 @@ class Engine:
         except ParallelError:
             pass        # a rank is already gone; the others see the broken group and exit
         if self.workers is not None:
-            self.workers.join(timeout=30)
+            self.workers.join(timeout=WORKERS_EXIT_S)
         leave_group(tp)
 
     def idle(self) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
-from engine.engine import Engine, StreamChunk
+from engine.engine import WORKERS_EXIT_S, Engine, StreamChunk
 from engine.kernels.norms import l2_norm
 from engine.parallel import serve_steps
 from engine.sampling import SamplingParams, TokenLogprob
@@ -177,7 +177,10 @@ class LLM:
         if self is not None and not self._stopped:
             self._stopped = True
             self._wake.set()
-            self._thread.join(timeout=10)
+            # The thread's last act is Engine.close(), which waits up to WORKERS_EXIT_S for the other
+            # ranks to exit (then kills them): shutdown returns once they are gone.
+            workers = self.engine.workers is not None
+            self._thread.join(timeout=10 + (WORKERS_EXIT_S + 10 if workers else 0))
 
     # ---------------------------------------------------------------- the engine thread
 

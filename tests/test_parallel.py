@@ -315,6 +315,33 @@ def test_a_rank_that_dies_fails_the_callers_and_no_process_is_left(monkeypatch):
     assert not worker.is_alive()
 
 
+def test_shutdown_returns_after_the_ranks_have_exited(monkeypatch):
+    """LLM.shutdown waits for the engine thread's Engine.close(), which waits for the other ranks to
+    exit: on GPUs a rank's NCCL and CUDA teardown can take longer than the engine thread's own 10-s
+    stop, and a shutdown that returned before it left the ranks running and the process group
+    joined (the next engine in the process could not start its own)."""
+    import torch.distributed as dist
+
+    from engine import LLM, SamplingParams
+    from engine.engine import Engine
+    close = Engine.close
+    closed = []
+
+    def slow_close(self):
+        time.sleep(12)     # longer than the engine thread's own stop
+        close(self)
+        closed.append(True)
+    monkeypatch.setattr(Engine, "close", slow_close)
+    llm = LLM("llama-tiny", device="cpu", tensor_parallel_size=2)
+    try:
+        assert llm.generate(["Hello"], SamplingParams(max_tokens=2, temperature=0))[0].token_ids
+        workers = llm.engine.workers.procs
+    finally:
+        llm.shutdown()
+    assert closed and all(not p.is_alive() and p.exitcode == 0 for p in workers)
+    assert not dist.is_initialized()
+
+
 def test_serve_with_two_ranks_answers_the_openai_client():
     from engine import LLM, SamplingParams
     from tests.serving import Server
@@ -397,8 +424,11 @@ def _two_gpus():
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_two_gpus_against_one(fmt):
-    """TP=2 against TP=1: the same greedy tokens on the lossless switches (bf16, 2:4), logits
-    within the format's tolerance on the lossy ones."""
+    """TP=2 against TP=1: the same greedy tokens (up to near-ties) where no activation is
+    quantised per rank, and logits within bf16 arithmetic summed in another order through 16
+    layers: each rank's GEMMs take the kernels of their own shapes, and the all-reduce rounds the
+    halves' sum to bf16 twice a layer. FP8 activations are also quantised per rank (a per-token
+    scale over the rank's K)."""
     _two_gpus()
     from engine import LLM
     kw = dict(GPU_CONFIGS[fmt], max_model_len=1024, kv_cache_tokens=16384)
@@ -410,14 +440,13 @@ def test_two_gpus_against_one(fmt):
             workers = llm.engine.workers
         finally:
             llm.shutdown()
-        if workers is not None:
-            assert all(not p.is_alive() for p in workers.procs)
+        if workers is not None:     # every rank left the NCCL group with rank 0, and exited
+            assert all(not p.is_alive() and p.exitcode == 0 for p in workers.procs)
+            assert not torch.distributed.is_initialized()
     (ref, ref_logits), (out, logits) = results[1], results[2]
     err = ((logits - ref_logits).norm() / ref_logits.norm()).item()
-    if "fp8" in fmt:
-        assert err < 5e-2
-    else:
-        assert err < 2e-2       # bf16 arithmetic, summed in another order
+    assert err < 5e-2, err
+    if "fp8" not in fmt:
         assert_same_greedy(out, ref, tol=5e-2)
 
 
