@@ -179,8 +179,7 @@ class LLM:
             self._wake.set()
             # The thread's last act is Engine.close(), which waits up to WORKERS_EXIT_S for the other
             # ranks to exit (then kills them): shutdown returns once they are gone.
-            workers = self.engine.workers is not None
-            self._thread.join(timeout=10 + (WORKERS_EXIT_S + 10 if workers else 0))
+            self._thread.join(timeout=WORKERS_EXIT_S + 20)
 
     # ---------------------------------------------------------------- the engine thread
 
