@@ -317,9 +317,8 @@ def test_a_rank_that_dies_fails_the_callers_and_no_process_is_left(monkeypatch):
 
 def test_shutdown_returns_after_the_ranks_have_exited(monkeypatch):
     """LLM.shutdown waits for the engine thread's Engine.close(), which waits for the other ranks to
-    exit: on GPUs a rank's NCCL and CUDA teardown can take longer than the engine thread's own 10-s
-    stop, and a shutdown that returned before it left the ranks running and the process group
-    joined (the next engine in the process could not start its own)."""
+    exit: on GPUs a rank's NCCL and CUDA teardown can take longer than 10 s, and a shutdown that
+    returned sooner left the ranks running and the process group joined."""
     import torch.distributed as dist
 
     from engine import LLM, SamplingParams
@@ -328,7 +327,7 @@ def test_shutdown_returns_after_the_ranks_have_exited(monkeypatch):
     closed = []
 
     def slow_close(self):
-        time.sleep(12)     # longer than the engine thread's own stop
+        time.sleep(12)     # longer than shutdown once waited
         close(self)
         closed.append(True)
     monkeypatch.setattr(Engine, "close", slow_close)
