@@ -276,7 +276,7 @@ def stream_pointers(words_ptr, scale_ptr, x_ptr, n0, k0, M, N, stride_xm, K: gl.
 def stream_steps(MMA_STEP: gl.constexpr, words_ptrs, side_ptrs, x_ptrs, acc,
                  STEPS: gl.constexpr, STEP_K: gl.constexpr, WK: gl.constexpr, BLOCK_N: gl.constexpr,
                  WPT: gl.constexpr, MP: gl.constexpr, X_AHEAD: gl.constexpr = False,
-                 S_STEP: gl.constexpr = 4, W_STEP: gl.constexpr = 0, wait_ptr=None, wait_target=0):
+                 S_STEP: gl.constexpr = 4, W_STEP: gl.constexpr = 0):
     """acc += every K step of the warp's slice, MMA_STEP(words, side, x, acc, ..) decoding
     one step. Two steps in flight: the loop body consumes steps i, i+1 and refills them with i+2,
     i+3; the pointers advance once per body, the steps are constant offsets from them. X_AHEAD:
@@ -284,23 +284,19 @@ def stream_steps(MMA_STEP: gl.constexpr, words_ptrs, side_ptrs, x_ptrs, acc,
     bytes is larger), else when its step runs (fewer registers). S_STEP: side elements from a step to the
     next (4, one per thread of a row's quad; the sparse-MMA kernel's metadata registers are stored
     per 16-row block and step). W_STEP: words from a step to the next (0: 4 * WPT, row-major;
-    tiled storage: 16 x that). wait_ptr: x is written by other programs of the same launch, which
-    count what they have finished at wait_ptr; the first two steps' weights are loaded, then the
-    program waits for the count to reach wait_target before it reads any x."""
+    tiled storage: 16 x that)."""
     X_STEP: gl.constexpr = WK * STEP_K
     WS: gl.constexpr = W_STEP if W_STEP else 4 * WPT
     w_a, s_a = _load_step(words_ptrs, side_ptrs, 0, WK, WS, S_STEP)
-    if STEPS > 1:
-        w_b, s_b = _load_step(words_ptrs, side_ptrs, 1, WK, WS, S_STEP)
-    else:  # one step per warp (small K): the loop below runs no iteration but is still compiled
-        w_b, s_b = w_a, s_a
-    if wait_ptr is not None:
-        wait_count(wait_ptr, wait_target)
     if X_AHEAD:
         x_a = gl.load(x_ptrs)
-        if STEPS > 1:
+    if STEPS > 1:
+        w_b, s_b = _load_step(words_ptrs, side_ptrs, 1, WK, WS, S_STEP)
+        if X_AHEAD:
             x_b = gl.load(x_ptrs + X_STEP)
-        else:
+    else:  # one step per warp (small K): the loop below runs no iteration but is still compiled
+        w_b, s_b = w_a, s_a
+        if X_AHEAD:
             x_b = x_a
     for _ in range((STEPS - 2) // 2):
         if X_AHEAD:
@@ -332,17 +328,6 @@ def stream_steps(MMA_STEP: gl.constexpr, words_ptrs, side_ptrs, x_ptrs, acc,
     if LEFT == 3:
         acc = MMA_STEP(w_a, s_a, x_a, acc, WK, BLOCK_N, WPT, MP)
     return acc
-
-
-@gluon.jit
-def wait_count(counter_ptr, target):
-    """Spin until the int32 at counter_ptr reaches target (volatile loads: L2, not a stale L1
-    line), then acquire it: what the counting programs wrote before their release is visible to
-    every thread of this one after the barrier."""
-    while gl.load(counter_ptr, volatile=True) < target:
-        pass
-    gl.atomic_add(counter_ptr, 0, sem="acquire")
-    _cta_barrier()
 
 
 @gluon.jit
