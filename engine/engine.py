@@ -20,6 +20,7 @@ the sampled tokens of the step before broadcast from rank 0's device) and never 
 from __future__ import annotations
 
 import bisect
+import gc
 import itertools
 import logging
 import threading
@@ -51,7 +52,7 @@ log = logging.getLogger("microengine")
 
 CPU_KV_TOKENS = 16384          # the CPU has no "free device memory" to size from
 OFFLOAD_KV_TOKENS = 16384      # KV cache size planned into gpu_memory_limit when none is given
-WORKERS_EXIT_S = 30.0          # how long rank 0's close() waits for the other ranks before killing them
+WORKERS_EXIT_S = 30.0          # how long rank 0's close() waits for the other ranks to exit (then kills them)
 
 
 @dataclass
@@ -287,18 +288,37 @@ class Engine:
         leave_group(tp)
 
     def close(self) -> None:
-        """Rank 0: stop the other ranks and leave the process group (no process is left behind)."""
+        """Leave the process group; rank 0 first stops the other ranks, and returns once they have
+        exited (no process is left behind).
+
+        NCCL destroys a communicator collectively: a rank's teardown returns only when every rank
+        tears down. So the ranks leave together: rank 0 sends stop and leaves at once, while the
+        others do the same, and joins them afterwards (a rank that has not exited by WORKERS_EXIT_S
+        is killed, which also ends the teardown). Each rank first drops its CUDA graphs, whose
+        captured all-reduces belong to the communicator, and lets the device drain."""
         if self.tp is None:
             return
         tp, self.tp, self._driving = self.tp, None, False
+        intact = True
         try:
             if tp.rank == 0:
                 tp.send(("stop",))
         except ParallelError:
-            pass        # a rank is already gone; the others see the broken group and exit
-        if self.workers is not None:
-            self.workers.join(timeout=WORKERS_EXIT_S)
-        leave_group(tp)
+            intact = False  # a rank is already gone; the others see the broken group and exit
+        self.graphs = self.step_graphs = None
+        gc.collect()
+        if intact and self.device.type == "cuda":   # (a collective with a dead rank would never end)
+            torch.cuda.synchronize(self.device)
+        if self.workers is None:
+            leave_group(tp)
+            return
+        leaving = threading.Thread(target=leave_group, args=(tp,), name="microengine-leave-group", daemon=True)
+        leaving.start()
+        self.workers.join(timeout=WORKERS_EXIT_S)
+        leaving.join(WORKERS_EXIT_S)
+        if leaving.is_alive():
+            log.warning("rank 0 could not leave the process group within %.0f s of its ranks' exit",
+                        WORKERS_EXIT_S)
 
     def idle(self) -> None:
         """Called by the engine thread when it has nothing to run: keeps idle ranks in touch."""

@@ -178,8 +178,9 @@ class LLM:
             self._stopped = True
             self._wake.set()
             # The thread's last act is Engine.close(), which waits up to WORKERS_EXIT_S for the other
-            # ranks to exit (then kills them): shutdown returns once they are gone.
-            self._thread.join(timeout=WORKERS_EXIT_S + 20)
+            # ranks to exit (then kills them) and as long again for rank 0 to leave the group:
+            # shutdown returns once they are gone.
+            self._thread.join(timeout=2 * WORKERS_EXIT_S + 20)
 
     # ---------------------------------------------------------------- the engine thread
 

@@ -341,6 +341,43 @@ def test_shutdown_returns_after_the_ranks_have_exited(monkeypatch):
     assert not dist.is_initialized()
 
 
+def test_rank_0_leaves_the_group_while_the_ranks_leave(monkeypatch):
+    """NCCL tears a communicator down collectively: a rank's teardown returns only once every rank
+    tears down. Rank 0 used to wait for the other ranks to exit before it left the group, so on two
+    H200s the ranks' teardown waited for rank 0's until they were killed (WORKERS_EXIT_S), and rank
+    0's group was left behind. Gloo does not wait, so on the CPU the order is what can be checked:
+    rank 0 has begun to leave the group when it starts to wait for the ranks."""
+    import threading
+
+    import torch.distributed as dist
+
+    import engine.engine as engine_module
+    from engine import LLM, SamplingParams
+    from engine.parallel import Workers
+    leaving = threading.Event()
+    leave, join = engine_module.leave_group, Workers.join
+    left_first = []
+
+    def leave_group(tp):
+        leaving.set()
+        leave(tp)
+
+    def join_ranks(self, timeout):
+        left_first.append(leaving.wait(10))
+        join(self, timeout)
+    monkeypatch.setattr(engine_module, "leave_group", leave_group)
+    monkeypatch.setattr(Workers, "join", join_ranks)
+    llm = LLM("llama-tiny", device="cpu", tensor_parallel_size=2)
+    try:
+        assert llm.generate(["Hello"], SamplingParams(max_tokens=2, temperature=0))[0].token_ids
+        workers = llm.engine.workers.procs
+    finally:
+        llm.shutdown()
+    assert left_first == [True]
+    assert all(not p.is_alive() and p.exitcode == 0 for p in workers)
+    assert not dist.is_initialized()
+
+
 def test_serve_with_two_ranks_answers_the_openai_client():
     from engine import LLM, SamplingParams
     from tests.serving import Server
@@ -423,30 +460,41 @@ def _two_gpus():
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_two_gpus_against_one(fmt):
-    """TP=2 against TP=1: the same greedy tokens (up to near-ties) where no activation is
-    quantised per rank, and logits within bf16 arithmetic summed in another order through 16
-    layers: each rank's GEMMs take the kernels of their own shapes, and the all-reduce rounds the
-    halves' sum to bf16 twice a layer. FP8 activations are also quantised per rank (a per-token
-    scale over the rank's K)."""
+    """TP=2 against TP=1, and every rank gone with its group after shutdown.
+
+    Where no activation is quantised per rank: the same greedy tokens up to near-ties, and logits
+    within bf16 arithmetic summed in another order through 16 layers (each rank's GEMMs take the
+    kernels of their own shapes, the all-reduce rounds the halves' sum to bf16 twice a layer): on
+    two H200s the logits were 2.7% apart, and the continuations parted where the top two tokens of
+    random weights' flat log-probabilities were 0.0625 apart.
+    Where FP8 activations take a per-token scale over each rank's K (fp8, 2:4 + fp8, and nvfp4
+    past 128 rows), TP=2 and TP=1 round them differently: both are held to the bf16 model's logits
+    instead, TP=2 no further from them than twice TP=1's own quantisation error (a wrong shard
+    gives logits unrelated to the model's)."""
     _two_gpus()
     from engine import LLM
     kw = dict(GPU_CONFIGS[fmt], max_model_len=1024, kv_cache_tokens=16384)
+    fp8_activations = "fp8" in fmt or fmt == "nvfp4"
     results = {}
-    for size in (1, 2):
-        llm = LLM("llama-3.2-1b", tensor_parallel_size=size, **kw)
+    for name, size, config in [("tp1", 1, kw), ("tp2", 2, kw)] + (
+            [("bf16", 1, dict(max_model_len=1024, kv_cache_tokens=16384))] if fp8_activations else []):
+        llm = LLM("llama-3.2-1b", tensor_parallel_size=size, **config)
         try:
-            results[size] = (llm.generate(PROMPTS, _gpu_params()), llm.logits(list(range(100, 400))))
+            results[name] = (llm.generate(PROMPTS, _gpu_params()), llm.logits(list(range(100, 400))))
             workers = llm.engine.workers
         finally:
             llm.shutdown()
         if workers is not None:     # every rank left the NCCL group with rank 0, and exited
             assert all(not p.is_alive() and p.exitcode == 0 for p in workers.procs)
             assert not torch.distributed.is_initialized()
-    (ref, ref_logits), (out, logits) = results[1], results[2]
-    err = ((logits - ref_logits).norm() / ref_logits.norm()).item()
-    assert err < 5e-2, err
-    if "fp8" not in fmt:
-        assert_same_greedy(out, ref, tol=5e-2)
+
+    def err(a, b):
+        return ((results[a][1] - results[b][1]).norm() / results[b][1].norm()).item()
+    if fp8_activations:
+        assert err("tp2", "bf16") < 2 * err("tp1", "bf16"), (err("tp2", "bf16"), err("tp1", "bf16"))
+    else:
+        assert err("tp2", "tp1") < 5e-2, err("tp2", "tp1")
+        assert_same_greedy(results["tp2"][0], results["tp1"][0], tol=0.1)
 
 
 @pytest.mark.gpu
@@ -457,7 +505,7 @@ def test_two_gpus_a_rank_killed_mid_step_fails_the_callers(monkeypatch):
     llm = LLM("llama-3.2-1b", tensor_parallel_size=2, max_model_len=1024, kv_cache_tokens=16384)
     worker = llm.engine.workers.procs[0]
     try:
-        stream = llm.stream("Once upon a time", SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True))
+        stream = llm.stream("Once upon a time", SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True))
         next(iter(stream))
         os.kill(worker.pid, signal.SIGKILL)
         t0 = time.monotonic()
