@@ -315,13 +315,25 @@ def test_a_rank_that_dies_fails_the_callers_and_no_process_is_left(monkeypatch):
     assert not worker.is_alive()
 
 
+def _two_cpu_ranks_generate_and_shut_down() -> None:
+    """Two gloo ranks generate, then LLM.shutdown leaves no rank running and no process group."""
+    import torch.distributed as dist
+
+    from engine import LLM, SamplingParams
+    llm = LLM("llama-tiny", device="cpu", tensor_parallel_size=2)
+    try:
+        assert llm.generate(["Hello"], SamplingParams(max_tokens=2, temperature=0))[0].token_ids
+        workers = llm.engine.workers.procs
+    finally:
+        llm.shutdown()
+    assert all(not p.is_alive() and p.exitcode == 0 for p in workers)
+    assert not dist.is_initialized()
+
+
 def test_shutdown_returns_after_the_ranks_have_exited(monkeypatch):
     """LLM.shutdown waits for the engine thread's Engine.close(), which waits for the other ranks to
     exit: on GPUs a rank's NCCL and CUDA teardown can take longer than 10 s, and a shutdown that
     returned sooner left the ranks running and the process group joined."""
-    import torch.distributed as dist
-
-    from engine import LLM, SamplingParams
     from engine.engine import Engine
     close = Engine.close
     closed = []
@@ -331,14 +343,8 @@ def test_shutdown_returns_after_the_ranks_have_exited(monkeypatch):
         close(self)
         closed.append(True)
     monkeypatch.setattr(Engine, "close", slow_close)
-    llm = LLM("llama-tiny", device="cpu", tensor_parallel_size=2)
-    try:
-        assert llm.generate(["Hello"], SamplingParams(max_tokens=2, temperature=0))[0].token_ids
-        workers = llm.engine.workers.procs
-    finally:
-        llm.shutdown()
-    assert closed and all(not p.is_alive() and p.exitcode == 0 for p in workers)
-    assert not dist.is_initialized()
+    _two_cpu_ranks_generate_and_shut_down()
+    assert closed
 
 
 def test_rank_0_leaves_the_group_while_the_ranks_leave(monkeypatch):
@@ -349,10 +355,7 @@ def test_rank_0_leaves_the_group_while_the_ranks_leave(monkeypatch):
     rank 0 has begun to leave the group when it starts to wait for the ranks."""
     import threading
 
-    import torch.distributed as dist
-
     import engine.engine as engine_module
-    from engine import LLM, SamplingParams
     from engine.parallel import Workers
     leaving = threading.Event()
     leave, join = engine_module.leave_group, Workers.join
@@ -367,15 +370,8 @@ def test_rank_0_leaves_the_group_while_the_ranks_leave(monkeypatch):
         join(self, timeout)
     monkeypatch.setattr(engine_module, "leave_group", leave_group)
     monkeypatch.setattr(Workers, "join", join_ranks)
-    llm = LLM("llama-tiny", device="cpu", tensor_parallel_size=2)
-    try:
-        assert llm.generate(["Hello"], SamplingParams(max_tokens=2, temperature=0))[0].token_ids
-        workers = llm.engine.workers.procs
-    finally:
-        llm.shutdown()
+    _two_cpu_ranks_generate_and_shut_down()
     assert left_first == [True]
-    assert all(not p.is_alive() and p.exitcode == 0 for p in workers)
-    assert not dist.is_initialized()
 
 
 def test_serve_with_two_ranks_answers_the_openai_client():
