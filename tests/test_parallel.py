@@ -471,11 +471,12 @@ def test_two_gpus_against_one(fmt):
     from the fp32 model's."""
     _two_gpus()
     from engine import LLM
-    kw = dict(GPU_CONFIGS[fmt], max_model_len=1024, kv_cache_tokens=16384)
+    sizes = dict(max_model_len=1024, kv_cache_tokens=16384)
+    kw = dict(GPU_CONFIGS[fmt], **sizes)
     fp8_activations = "fp8" in fmt or fmt == "nvfp4"
     results = {}
     for name, size, config in [("tp1", 1, kw), ("tp2", 2, kw)] + (
-            [("bf16", 1, dict(max_model_len=1024, kv_cache_tokens=16384))] if fp8_activations else []):
+            [("bf16", 1, dict(GPU_CONFIGS["bf16"], **sizes))] if fp8_activations else []):
         llm = LLM("llama-3.2-1b", tensor_parallel_size=size, **config)
         try:
             results[name] = (llm.generate(PROMPTS, _gpu_params()), llm.logits(list(range(100, 400))))
