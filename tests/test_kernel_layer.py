@@ -378,7 +378,7 @@ def _rel_err(out, ref):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "2:4", "2:4+fp8"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4", "2:4", "2:4+fp8"])
 def test_gpu_every_selected_kernel_matches_the_format_reference(fmt, tmp_path):
     """Each format's backend on CUDA, at every M regime of its kernel lists (tails included), tuned
     and untuned, against the same stored values multiplied in float64 (bf16 output rounding and,
@@ -393,7 +393,7 @@ def test_gpu_every_selected_kernel_matches_the_format_reference(fmt, tmp_path):
         backend = format_class(fmt).from_dense(w)
         dense = backend.dequantize().double()
         tuned = format_class(fmt).from_dense(w)
-        tuned.tune(Tuner(tmp_path / "t.json"), [1, 16, 64, 256], swiglu=fmt.startswith("2:4"))
+        tuned.tune(Tuner(tmp_path / "t.json"), [1, 16, 64, 256], swiglu=fmt in ("bf16", "2:4", "2:4+fp8"))
         for m in (1, 3, 4, 5, 16, 17, 64, 100, 128, 129, 300, 2048):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = x.double() @ dense.t()

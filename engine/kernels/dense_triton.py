@@ -1,0 +1,164 @@
+"""Dense (bf16 / fp16) weight-streaming decode GEMM for M <= 16 tokens, in Triton: y = x @ W^T.
+
+`stream_matmul(x, w, out=None, config=None, swiglu=False)`: x [M, K] with unit stride along K, w
+[N, K] contiguous, both bf16 or both fp16; out [M, N] in the same dtype; fp32 accumulation.
+swiglu=True: w is a fused gate/up projection (rows [0, N/2) gate, [N/2, N) up) and out [M, N/2] =
+silu(gate) * up, formed in the epilogue, so the [M, N] product is never stored and no SwiGLU
+kernel follows. Constraints: M <= 16, K a multiple of SPLIT_K x BLOCK_K (64 always divides it
+with some configuration). `stream_config` holds the tuning rule, `stream_configs` what the tuner
+times (engine/formats/dense.py lists the kernel against cuBLAS).
+
+Design: at decode every weight byte is read once and nothing else is large, so the kernel is a
+weight stream. The weight tile is the MMA's A operand (BLOCK_N rows on its M side, so one token
+still fills the instruction) and x^T, padded to 16 columns, its B operand; Triton's pipeliner keeps
+`num_stages` tiles in flight through shared memory. Weights with too few row tiles to fill the
+SMs split K across programs, reduced in the same launch (engine/kernels/split_k.py). Weight rows past
+N re-read row N - 1 and are never stored; x rows past M load as zeros.
+
+Numerics: fp32 accumulation; with split-K the partial sums meet through fp32 atomics, whose order
+varies from run to run (a last-bit difference in the fp32 sum, as in the FP8 and NVFP4 decode
+kernels).
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.kernels.platform import interpreting, jit, sm_count
+from engine.kernels.split_k import split_k_arrive, split_k_buffers, split_k_take
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton: engine/formats/dense.py never selects this kernel
+    triton = None
+
+MAX_M = 16
+SHARED_BYTES = 227 * 1024   # a Hopper block's shared memory
+
+
+@jit(do_not_specialize=["M"])   # one binary for every M up to 16
+def _stream_kernel(x_ptr, w_ptr, out_ptr, acc_ptr, count_ptr, M, N, stride_xm, stride_om,
+                   K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SWIGLU: tl.constexpr, FP32_DOT: tl.constexpr):
+    """acc[BLOCK_N, 16] = W[rows, K slice] @ x[:, K slice]^T. SWIGLU: N is the output width F,
+    the program also streams up rows F + rows, and the split-K scratch holds gate then up
+    ([M, 2N]). FP32_DOT: the operands widened to fp32 (the interpreter's dot takes no bf16)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    K_SPLIT: tl.constexpr = K // SPLIT_K
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, 16)
+    ks = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + tl.minimum(rows, N - 1)[:, None].to(tl.int64) * K + ks[None, :]
+    x_ptrs = x_ptr + cols[:, None] * stride_xm + ks[None, :]
+    acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    for _ in range(0, K_SPLIT, BLOCK_K):
+        # Rows past M are masked, not clamped to M - 1: the loads go to L2 (cp.async.cg), where every
+        # program reading the same row at once queues on one address.
+        xt = tl.trans(tl.load(x_ptrs, mask=(cols < M)[:, None], other=0.0))
+        w = tl.load(w_ptrs)
+        if FP32_DOT:
+            xt = xt.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(w, xt, acc)
+        if SWIGLU:
+            w_up = tl.load(w_ptrs + N * K)
+            if FP32_DOT:
+                w_up = w_up.to(tl.float32)
+            acc_up = tl.dot(w_up, xt, acc_up)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    mask = (cols < M)[None, :] & (rows < N)[:, None]
+    last = True
+    if SPLIT_K > 1:
+        scratch = acc_ptr + cols[None, :] * (2 * N) + rows[:, None]
+        if SWIGLU:  # up's partials first: the counter's release below orders them with gate's
+            tl.atomic_add(scratch + N, acc_up, mask=mask, sem="relaxed")
+        last = split_k_arrive(acc, scratch, mask, count_ptr + pid_n, SPLIT_K)
+        if last:
+            if SWIGLU:
+                acc_up = split_k_take(scratch + N, mask, count_ptr + pid_n)
+            acc = split_k_take(scratch, mask, count_ptr + pid_n)
+    if last:
+        if SWIGLU:
+            acc = acc * tl.sigmoid(acc) * acc_up
+        tl.store(out_ptr + cols[None, :] * stride_om + rows[:, None], acc.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+def _fits(n: int, k: int, block_n: int, block_k: int, split: int, stages: int, swiglu: bool) -> bool:
+    """K divides into the splits' tiles, and the pipeline's stages fit in shared memory."""
+    stage_bytes = 2 * (block_n * block_k * (2 if swiglu else 1) + 16 * block_k)
+    return k % (split * block_k) == 0 and stages * stage_bytes <= SHARED_BYTES
+
+
+def stream_config(n: int, k: int, num_sms: int, swiglu: bool = False) -> dict:
+    """The default launch: 64-row tiles 128 deep, 4 stages in flight; K split in two while the row
+    tiles give fewer programs than SMs and each split keeps at least 1,024 of K (n: the output
+    rows, F for SwiGLU). Within a few percent of bench_dense.py's fastest on the Llama shapes."""
+    block_k = next(b for b in (128, 64) if k % b == 0)
+    tiles, split = triton.cdiv(n, 64), 1
+    while tiles * split < num_sms and k % (2 * split * block_k) == 0 and k // (2 * split) >= 1024:
+        split *= 2
+    return {"BLOCK_N": 64, "BLOCK_K": block_k, "SPLIT_K": split, "num_stages": 4, "num_warps": 4}
+
+
+def stream_configs(n: int, k: int, num_sms: int, swiglu: bool = False) -> list[tuple]:
+    """What the tuner times: the default first, then deeper or wider tiles and the neighbouring
+    splits, each as a hashable (BLOCK_N, BLOCK_K, SPLIT_K, num_stages) that fits."""
+    d = stream_config(n, k, num_sms, swiglu)
+    base = (d["BLOCK_N"], d["BLOCK_K"], d["SPLIT_K"], d["num_stages"])
+    out = [base]
+    for bn, bk, split, stages in ((64, 128, base[2], 6), (64, 256, base[2], 3), (64, 256, base[2], 4),
+                                  (128, 128, base[2], 3), (64, 128, base[2] * 2, 4),
+                                  (64, 128, max(1, base[2] // 2), 4)):
+        cfg = (bn, bk, split, stages)
+        if cfg not in out and _fits(n, k, bn, bk, split, stages, swiglu):
+            out.append(cfg)
+    return out
+
+
+def as_config(cfg: tuple | dict) -> dict:
+    if isinstance(cfg, dict):
+        return cfg
+    bn, bk, split, stages = cfg
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_stages": stages, "num_warps": 4}
+
+
+def stream_matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+                  config: tuple | dict | None = None, swiglu: bool = False) -> torch.Tensor:
+    """out[M, N] = x @ w^T (swiglu: out[M, N/2] = silu(gate) * up) for M <= 16 (module docstring)."""
+    m, k = x.shape
+    n = w.shape[0] // 2 if swiglu else w.shape[0]
+    if m > MAX_M or m == 0:
+        raise ValueError(f"x: the streaming kernel takes 1 to {MAX_M} rows, got {m}")
+    if w.shape[1] != k or w.dtype != x.dtype or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"w {tuple(w.shape)} {w.dtype} and x {tuple(x.shape)} {x.dtype}: the same K and "
+                         "dtype, bf16 or fp16")
+    if x.stride(1) != 1 or not w.is_contiguous():
+        raise ValueError("x needs unit stride along K and w must be contiguous")
+    if swiglu and w.shape[0] % 2:
+        raise ValueError(f"w: a fused gate/up weight has an even row count, got {w.shape[0]}")
+    cfg = as_config(config or stream_config(n, k, sm_count(x.device) if x.is_cuda else 132, swiglu))
+    split = cfg["SPLIT_K"]
+    if k % (split * cfg["BLOCK_K"]):
+        raise ValueError(f"config: K={k} is not a multiple of SPLIT_K={split} x BLOCK_K={cfg['BLOCK_K']}")
+    if out is None:
+        out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    tiles = triton.cdiv(n, cfg["BLOCK_N"])
+    acc, count = split_k_buffers(x.device, 2 * m * n, tiles) if split > 1 else (out, out)
+    _stream_kernel[(tiles, split)](
+        x, w, out, acc, count, m, n, x.stride(0), out.stride(0), K=k, SPLIT_K=split, BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"], SWIGLU=swiglu, FP32_DOT=interpreting(), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
+    return out
+
+
+def stream_matmul_ref(x: torch.Tensor, w: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+    """The reference: fp32 product (and SwiGLU), rounded once to x's dtype."""
+    y = x.float() @ w.float().t()
+    if swiglu:
+        gate, up = y.chunk(2, dim=-1)
+        y = torch.nn.functional.silu(gate) * up
+    return y.to(x.dtype)

@@ -1,0 +1,208 @@
+"""The dense decode GEMM (engine/kernels/dense_triton.py) and the dense format's kernel lists.
+
+The kernel against a float64 reference in Triton's interpreter (marker `interpreter`: the child
+process of tests/test_interpreter.py runs them without a GPU), compiled for sm_90 on the CPU with
+its PTX read back, its launch rule and input checks, the format's selection with the capability
+faked, and on a GPU (marker `gpu`) every configuration the tuner may pick at Llama-3.1-8B shapes.
+Inputs are fresh random draws; outputs start poisoned (NaN), so an element never written fails.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.formats import dense
+from engine.kernels import select
+from engine.kernels.platform import fake_capability
+from engine.kernels.select import Problem
+
+triton = pytest.importorskip("triton")
+from engine.kernels import dense_triton  # noqa: E402  (needs Triton)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# bf16 output rounding alone is ~2^-9 relative per element; fp16's 2^-12
+TOL = {torch.bfloat16: 4e-3, torch.float16: 1e-3}
+LLAMA_8B = {"qkv": (6144, 4096, False), "o": (4096, 4096, False), "gate_up": (28672, 4096, True),
+            "down": (4096, 14336, False)}
+
+
+@pytest.fixture(autouse=True)
+def fresh_choices():
+    select.clear_cache()
+    yield
+    select.clear_cache()
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def reference(x, w, swiglu):
+    y = x.double() @ w.double().t()
+    if swiglu:
+        gate, up = y.chunk(2, dim=-1)
+        y = torch.nn.functional.silu(gate) * up
+    return y
+
+
+def check(x, w, swiglu, config=None):
+    n = w.shape[0] // 2 if swiglu else w.shape[0]
+    out = torch.full((x.shape[0], n), float("nan"), device=x.device, dtype=x.dtype)
+    dense_triton.stream_matmul(x, w, out, config, swiglu)
+    assert not out.isnan().any(), "unwritten (NaN) elements"
+    err = rel_err(out, reference(x, w, swiglu))
+    assert err < TOL[x.dtype], (tuple(x.shape), tuple(w.shape), swiglu, config, err)
+
+
+# ------------------------------------------------------------------------------ the kernel
+@pytest.mark.interpreter
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_stream_matmul_against_float64(m, split, swiglu):
+    """N = 200 (a partial last row tile; 400 gate/up rows), K = 512 in 128-deep tiles, one or two
+    K splits (the split's atomics and the last program's take), with and without SwiGLU."""
+    torch.manual_seed(m * 10 + split)
+    n, k = (400 if swiglu else 200), 512
+    w = (torch.randn(n, k, device=DEVICE) / 16).to(torch.bfloat16)
+    x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+    check(x, w, swiglu, (64, 128, split, 2))
+
+
+@pytest.mark.interpreter
+def test_stream_matmul_fp16_strided_rows_and_its_default_config():
+    """fp16, x a row-strided view (unit stride along K only), the rule's own launch."""
+    torch.manual_seed(1)
+    w = (torch.randn(192, 256, device=DEVICE) / 8).to(torch.float16)
+    x = torch.randn(3, 512, device=DEVICE, dtype=torch.float16)[:, :256]
+    check(x, w, False)
+
+
+def test_stream_matmul_refuses_what_it_cannot_take():
+    w = torch.zeros(64, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="1 to 16 rows"):
+        dense_triton.stream_matmul(torch.zeros(17, 128, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match="same K and dtype"):
+        dense_triton.stream_matmul(torch.zeros(1, 128, dtype=torch.float16), w)
+    with pytest.raises(ValueError, match="same K and dtype"):
+        dense_triton.stream_matmul(torch.zeros(1, 64, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match="not a multiple"):
+        dense_triton.stream_matmul(torch.zeros(1, 128, dtype=torch.bfloat16), w, config=(64, 128, 2, 2))
+    with pytest.raises(ValueError, match="even row count"):
+        dense_triton.stream_matmul(torch.zeros(1, 128, dtype=torch.bfloat16), w[:63], swiglu=True)
+
+
+def test_launch_rule_at_llama_shapes():
+    """K split until the row tiles give one program per SM (132 on an H200), never below 1,024
+    of K a split; every listed configuration divides K and fits shared memory."""
+    splits = {name: dense_triton.stream_config(n // 2 if sw else n, k, 132, sw)["SPLIT_K"]
+              for name, (n, k, sw) in LLAMA_8B.items()}
+    assert splits == {"qkv": 2, "o": 4, "gate_up": 1, "down": 4}
+    assert dense_triton.stream_config(4096, 1024, 132)["SPLIT_K"] == 1   # a split would keep 512 of K
+    for n, k, sw in LLAMA_8B.values():
+        configs = dense_triton.stream_configs(n // 2 if sw else n, k, 132, sw)
+        assert len(configs) == len(set(configs)) >= 4
+        for bn, bk, split, stages in configs:
+            assert k % (split * bk) == 0 and stages * 2 * (bn * bk * (2 if sw else 1) + 16 * bk) <= 227 * 1024
+
+
+@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") == "1", reason="compiles, not interprets")
+def test_compiles_for_sm90_to_wgmma_fed_by_cp_async():
+    """The PTX for Hopper: the weight tile feeds a bf16 WGMMA (m64n16k16) from shared memory, filled by
+    cp.async in a multi-stage pipeline; the SwiGLU variant runs two per K step."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    kernel = dense_triton._stream_kernel
+    names = kernel.arg_names
+    types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "acc_ptr": "*fp32", "count_ptr": "*i32",
+             "M": "i32", "N": "i32", "stride_xm": "i32", "stride_om": "i32"}
+    for swiglu in (False, True):
+        constexprs = {"K": 4096, "SPLIT_K": 2, "BLOCK_N": 64, "BLOCK_K": 128, "SWIGLU": swiglu, "FP32_DOT": False}
+        signature = {n: types.get(n, "constexpr") for n in names}
+        aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr")}
+        src = ASTSource(kernel, signature, {(names.index(n),): v for n, v in constexprs.items()}, aligned)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4}).asm["ptx"]
+        wgmma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
+        assert wgmma and all("m64n16k16.f32.bf16.bf16" in line for line in wgmma), wgmma[:2]
+        assert "cp.async.cg.shared.global" in ptx and "cp.async.wait_group" in ptx
+        assert "red.global.add.f32" in ptx or "atom.global" in ptx     # the split's reduction
+
+
+# ------------------------------------------------------------------------------ selection
+def chosen(table, op, m, n, k, cap, detail=(torch.bfloat16, torch.bfloat16), device=torch.device("cuda")):
+    with fake_capability(cap):
+        return select.select(table, Problem(op, m, n, k, device, detail)).kernel.name
+
+
+@pytest.mark.parametrize("m,cap,detail,want", [
+    (1, (9, 0), (torch.bfloat16,) * 2, "triton_stream"),
+    (16, (9, 0), (torch.float16,) * 2, "triton_stream"),
+    (17, (9, 0), (torch.bfloat16,) * 2, "torch_linear"),
+    (1, (9, 0), (torch.float32,) * 2, "torch_linear"),
+    (1, (10, 0), (torch.bfloat16,) * 2, "torch_linear"),
+    (1, (8, 0), (torch.bfloat16,) * 2, "torch_linear"),
+])
+def test_dense_selection(m, cap, detail, want):
+    assert chosen(dense.DENSE_GEMM, "dense_gemm", m, 4096, 4096, cap, detail) == want
+    fused = want == "triton_stream"
+    assert chosen(dense.DENSE_SWIGLU, "dense_swiglu", m, 28672, 4096, cap, detail) == (
+        "triton_stream_swiglu" if fused else "separate")
+
+
+def test_dense_on_the_cpu_is_torch_and_tunes_nothing():
+    w = torch.randn(96, 64)
+    backend = dense.DenseWeight(w)
+    calls = []
+
+    class Tuner:
+        def best(self, problem, candidates):
+            calls.append(candidates())
+            return None
+    backend.tune(Tuner(), [1, 16, 64], swiglu=True)
+    assert all(len(c) <= 1 for c in calls) and not backend.tuned
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(backend(x), x @ w.t())
+    assert backend.swiglu_forward(x) is None
+
+
+# ------------------------------------------------------------------------------ on the GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(LLAMA_8B))
+def test_gpu_every_listed_config_at_llama_shapes(name):
+    """Every configuration the tuner may pick, at M = 1, 7 and 16, against float64."""
+    n, k, swiglu = LLAMA_8B[name]
+    torch.manual_seed(0)
+    w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for config in dense_triton.stream_configs(n // 2 if swiglu else n, k, sms, swiglu):
+        for m in (1, 7, 16):
+            check(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), w, swiglu, config)
+
+
+@pytest.mark.gpu
+def test_gpu_tuned_backend_and_its_graph_replay(tmp_path):
+    """The backend tuned against cuBLAS, at M 1..16 and past it, eager and replayed in a CUDA
+    graph (the split-K scratch and counters return to zero between calls), SwiGLU included."""
+    from engine.kernels.platform import capture
+    from engine.kernels.tuner import Tuner
+    torch.manual_seed(0)
+    w = (torch.randn(2 * 1536, 1024, device="cuda") / 32).to(torch.bfloat16)
+    backend = dense.DenseWeight(w)
+    backend.tune(Tuner(tmp_path / "t.json"), [1, 2, 4, 8, 16, 32], swiglu=True)
+    assert set(backend.tuned) <= {"dense_gemm", "dense_swiglu"}
+    for m in (1, 3, 16, 17, 40):
+        x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+        assert rel_err(backend(x), reference(x, w, False)) < TOL[torch.bfloat16]
+        h = backend.swiglu_forward(x)
+        if h is not None:
+            assert rel_err(h, reference(x, w, True)) < TOL[torch.bfloat16]
+    x = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16)
+    backend(x)
+    graph = torch.cuda.CUDAGraph()
+    with capture(graph):
+        y = backend(x)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        y.fill_(float("nan"))
+        graph.replay()
+        assert rel_err(y, reference(x, w, False)) < TOL[torch.bfloat16]
