@@ -80,8 +80,11 @@ def test_stream_matmul_fp16_strided_rows_and_its_default_config():
 
 def test_stream_matmul_refuses_what_it_cannot_take():
     w = torch.zeros(64, 128, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="1 to 16 rows"):
+    with pytest.raises(ValueError, match="up to 16 rows"):
         dense_triton.stream_matmul(torch.zeros(17, 128, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match="not a multiple of 64"):
+        dense_triton.stream_matmul(torch.zeros(1, 96, dtype=torch.bfloat16), torch.zeros(64, 96, dtype=torch.bfloat16))
+    assert dense_triton.stream_matmul(torch.zeros(0, 128, dtype=torch.bfloat16), w).shape == (0, 64)
     with pytest.raises(ValueError, match="same K and dtype"):
         dense_triton.stream_matmul(torch.zeros(1, 128, dtype=torch.float16), w)
     with pytest.raises(ValueError, match="same K and dtype"):
@@ -129,18 +132,19 @@ def test_compiles_for_sm90_to_wgmma_fed_by_cp_async():
 
 
 # ------------------------------------------------------------------------------ selection
-def chosen(table, op, m, n, k, cap, detail=(torch.bfloat16, torch.bfloat16), device=torch.device("cuda")):
+def chosen(table, op, m, n, k, cap, detail, device=torch.device("cuda")):
     with fake_capability(cap):
         return select.select(table, Problem(op, m, n, k, device, detail)).kernel.name
 
 
 @pytest.mark.parametrize("m,cap,detail,want", [
-    (1, (9, 0), (torch.bfloat16,) * 2, "triton_stream"),
-    (16, (9, 0), (torch.float16,) * 2, "triton_stream"),
-    (17, (9, 0), (torch.bfloat16,) * 2, "torch_linear"),
-    (1, (9, 0), (torch.float32,) * 2, "torch_linear"),
-    (1, (10, 0), (torch.bfloat16,) * 2, "torch_linear"),
-    (1, (8, 0), (torch.bfloat16,) * 2, "torch_linear"),
+    (1, (9, 0), (torch.bfloat16, torch.bfloat16, True), "triton_stream"),
+    (16, (9, 0), (torch.float16, torch.float16, True), "triton_stream"),
+    (17, (9, 0), (torch.bfloat16, torch.bfloat16, True), "torch_linear"),
+    (1, (9, 0), (torch.float32, torch.float32, True), "torch_linear"),
+    (1, (9, 0), (torch.bfloat16, torch.bfloat16, False), "torch_linear"),
+    (1, (10, 0), (torch.bfloat16, torch.bfloat16, True), "torch_linear"),
+    (1, (8, 0), (torch.bfloat16, torch.bfloat16, True), "torch_linear"),
 ])
 def test_dense_selection(m, cap, detail, want):
     assert chosen(dense.DENSE_GEMM, "dense_gemm", m, 4096, 4096, cap, detail) == want

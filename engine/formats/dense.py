@@ -30,9 +30,11 @@ def _stream(x, w, config=None, swiglu=False):
 
 
 def _stream_fits(p: Problem) -> str | None:
-    w_dtype, x_dtype = p.detail
+    w_dtype, x_dtype, contiguous = p.detail
     if w_dtype != x_dtype or w_dtype not in (torch.bfloat16, torch.float16):
         return f"takes bf16 or fp16 weights and activations of one dtype, not {w_dtype} and {x_dtype}"
+    if not contiguous:
+        return "reads a contiguous weight"
     if p.k % 64:
         return "needs K % 64 == 0"
     if p.op == "dense_swiglu" and p.n % 2:
@@ -73,7 +75,8 @@ class DenseWeight(WeightFormat):
         return cls(w)
 
     def _problem(self, op: str, m: int, x_dtype: torch.dtype) -> Problem:
-        return Problem(op, m, self.out_features, self.in_features, self.weight.device, (self.weight.dtype, x_dtype))
+        w = self.weight
+        return Problem(op, m, self.out_features, self.in_features, w.device, (w.dtype, x_dtype, w.is_contiguous()))
 
     def forward(self, x, x_scale=None):
         if torch.compiler.is_compiling():   # the compiler sees torch's op

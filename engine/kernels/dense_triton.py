@@ -4,9 +4,9 @@
 [N, K] contiguous, both bf16 or both fp16; out [M, N] in the same dtype; fp32 accumulation.
 swiglu=True: w is a fused gate/up projection (rows [0, N/2) gate, [N/2, N) up) and out [M, N/2] =
 silu(gate) * up, formed in the epilogue, so the [M, N] product is never stored and no SwiGLU
-kernel follows. Constraints: M <= 16, K a multiple of SPLIT_K x BLOCK_K (64 always divides it
-with some configuration). `stream_config` holds the tuning rule, `stream_configs` what the tuner
-times (engine/formats/dense.py lists the kernel against cuBLAS).
+kernel follows. Constraints: M <= 16 (no rows: nothing launches), K a multiple of 64 and of the
+configuration's SPLIT_K x BLOCK_K. `stream_config` holds the tuning rule, `stream_configs` what
+the tuner times (engine/formats/dense.py lists the kernel against cuBLAS).
 
 Design: at decode every weight byte is read once and nothing else is large, so the kernel is a
 weight stream. The weight tile is the MMA's A operand (BLOCK_N rows on its M side, so one token
@@ -131,11 +131,13 @@ def stream_matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
     """out[M, N] = x @ w^T (swiglu: out[M, N/2] = silu(gate) * up) for M <= 16 (module docstring)."""
     m, k = x.shape
     n = w.shape[0] // 2 if swiglu else w.shape[0]
-    if m > MAX_M or m == 0:
-        raise ValueError(f"x: the streaming kernel takes 1 to {MAX_M} rows, got {m}")
+    if m > MAX_M:
+        raise ValueError(f"x: the streaming kernel takes up to {MAX_M} rows, got {m}")
     if w.shape[1] != k or w.dtype != x.dtype or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"w {tuple(w.shape)} {w.dtype} and x {tuple(x.shape)} {x.dtype}: the same K and "
                          "dtype, bf16 or fp16")
+    if k % 64:
+        raise ValueError(f"x: K={k} is not a multiple of 64")
     if x.stride(1) != 1 or not w.is_contiguous():
         raise ValueError("x needs unit stride along K and w must be contiguous")
     if swiglu and w.shape[0] % 2:
@@ -146,6 +148,8 @@ def stream_matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
         raise ValueError(f"config: K={k} is not a multiple of SPLIT_K={split} x BLOCK_K={cfg['BLOCK_K']}")
     if out is None:
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if m == 0:
+        return out
     tiles = triton.cdiv(n, cfg["BLOCK_N"])
     acc, count = split_k_buffers(x.device, 2 * m * n, tiles) if split > 1 else (out, out)
     _stream_kernel[(tiles, split)](
