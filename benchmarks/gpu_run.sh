@@ -16,7 +16,7 @@ set -uo pipefail
 out=${1:-gpu_out}
 mkdir -p "$out"
 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_parity.py tests/test_engine.py \
-  tests/test_kernels_triton.py tests/test_argmax.py tests/test_streams.py tests/test_lm_head.py 2>&1 | tee "$out/tests.txt" | tail -n 15
+  tests/test_kernels_triton.py tests/test_dense.py tests/test_argmax.py tests/test_streams.py tests/test_lm_head.py 2>&1 | tee "$out/tests.txt" | tail -n 15
 python3 bench.py --model llama-3.1-8b --configs "${BENCH_CONFIGS:-dense,fused-off,fp8,nvfp4,2:4,2:4+fp8,overlap-off}" \
   ${BENCH_FLAGS:---no-quality} --out "$out/bench" 2>&1 | tee "$out/bench.txt" | grep -v "it/s\]" | tail -n 20
 python3 serve.py --model llama-3.2-1b --port 8000 --log-level warning > "$out/server.txt" 2>&1 &
