@@ -163,7 +163,7 @@ def test_dense_on_the_cpu_is_torch_and_tunes_nothing():
             calls.append(candidates())
             return None
     backend.tune(Tuner(), [1, 16, 64], swiglu=True)
-    assert all(len(c) <= 1 for c in calls) and not backend.tuned
+    assert not calls and not backend.tuned      # off CUDA the tuner is never asked
     x = torch.randn(3, 64)
     torch.testing.assert_close(backend(x), x @ w.t())
     assert backend.swiglu_forward(x) is None
