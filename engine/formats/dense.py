@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.formats.base import WeightFormat
-from engine.kernels.platform import sm_count
+from engine.kernels.platform import sm_count_or_default
 from engine.kernels.select import Kernel, Problem, m_bucket, runnable, select
 
 MAX_M = 16   # engine/kernels/dense_triton.py's MAX_M (that module needs Triton to import)
@@ -45,9 +45,7 @@ def _stream_fits(p: Problem) -> str | None:
 def _stream_configs(p: Problem) -> list:
     from engine.kernels.dense_triton import stream_configs
     swiglu = p.op == "dense_swiglu"
-    # 132 (an H200's SMs) where no GPU answers: the selection tests fake the capability
-    sms = sm_count(p.device) if torch.cuda.is_available() else 132
-    return stream_configs(p.n // 2 if swiglu else p.n, p.k, sms, swiglu)
+    return stream_configs(p.n // 2 if swiglu else p.n, p.k, sm_count_or_default(p.device), swiglu)
 
 
 TORCH = Kernel("torch_linear", _torch_linear, needs_cuda=False)

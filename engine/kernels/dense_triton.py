@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels.platform import interpreting, jit, sm_count
+from engine.kernels.platform import interpreting, jit, sm_count_or_default
 from engine.kernels.split_k import split_k_arrive, split_k_buffers, split_k_take
 
 try:
@@ -142,7 +142,7 @@ def stream_matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
         raise ValueError("x needs unit stride along K and w must be contiguous")
     if swiglu and w.shape[0] % 2:
         raise ValueError(f"w: a fused gate/up weight has an even row count, got {w.shape[0]}")
-    cfg = as_config(config or stream_config(n, k, sm_count(x.device) if x.is_cuda else 132, swiglu))
+    cfg = as_config(config or stream_config(n, k, sm_count_or_default(x.device), swiglu))
     split = cfg["SPLIT_K"]
     if k % (split * cfg["BLOCK_K"]):
         raise ValueError(f"config: K={k} is not a multiple of SPLIT_K={split} x BLOCK_K={cfg['BLOCK_K']}")

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from engine.kernels.platform import activation_empty, interpreting, sm_count
+from engine.kernels.platform import activation_empty, interpreting, sm_count_or_default
 
 SMALL_M = 16
 
@@ -142,7 +142,7 @@ def fp8_gemm_small_m(qx, x_scale, qw, w_scale, residual=None, split: int | None 
     if m > SMALL_M or n % 16 or k % 64:
         raise ValueError(f"small-M kernel takes M <= {SMALL_M}, N % 16 == 0, K % 64 == 0; "
                          f"got M={m}, N={n}, K={k}")
-    num_sms = sm_count(qx.device) if qx.is_cuda else 132
+    num_sms = sm_count_or_default(qx.device)
     cfg = dict(config or small_m_config(n, k, num_sms))
     split = split or cfg.pop("SPLIT_K")
     cfg.pop("SPLIT_K", None)

@@ -117,6 +117,13 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def sm_count_or_default(device: torch.device | str = "cuda") -> int:
+    """The SMs a launch rule plans for: a CUDA device's, or an H100 SXM's 132 where no GPU answers
+    (the CPU and its interpreter, compiles for a GPU, selection with a faked capability)."""
+    device = torch.device(device)
+    return sm_count(device) if device.type == "cuda" and torch.cuda.is_available() else 132
+
+
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count

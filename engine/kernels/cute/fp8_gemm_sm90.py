@@ -51,7 +51,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from engine.kernels.cute.common import (CompileCache, compile_scaled_gemm, current_stream, scaled_gemm_tensors,
                                         tensor_ptr, tma_rows)
-from engine.kernels.platform import sm_count
+from engine.kernels.platform import sm_count, sm_count_or_default
 from engine.kernels.cute.epilogue import scale_accumulators
 
 # Tiles the dispatcher chooses from, largest first: (tile_m, tile_n). tile_k is 128 (four k32 WGMMAs).
@@ -365,11 +365,6 @@ class Fp8GemmSm90:
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
             store_pipe.producer_tail()
-
-
-def sm_count_or_default() -> int:
-    """SM count of the GPU, or the H100 SXM's 132 when compiling without one."""
-    return sm_count(torch.device("cuda")) if torch.cuda.is_available() else 132
 
 
 _cache = CompileCache()
