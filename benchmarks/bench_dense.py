@@ -47,7 +47,7 @@ def main():
         copies = max(2, -(-400_000_000 // (2 * n * k)))
         ws = [(torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16) for _ in range(copies)]
         width = n // 2 if sw else n
-        rule = dense_triton.stream_config(width, k, sms, sw)
+        rule = dense_triton.stream_config(width, k, sms)
         listed = dense_triton.stream_configs(width, k, sms, sw) if args.sweep else []
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

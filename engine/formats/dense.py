@@ -95,13 +95,13 @@ class DenseWeight(WeightFormat):
         w = self.weight
         if w.device.type != "cuda":
             return      # torch's GEMM is all there is
+        ops = [("dense_gemm", DENSE_GEMM)] + ([("dense_swiglu", DENSE_SWIGLU)] if swiglu else [])
         for m in m_values:
-            ops = [("dense_gemm", DENSE_GEMM)] + ([("dense_swiglu", DENSE_SWIGLU)] if swiglu else [])
+            # sample activations to time on (none past MAX_M: only torch's GEMM runs there)
+            x = torch.randn(m, self.in_features, device=w.device, dtype=w.dtype) * 0.1 if m <= MAX_M else None
             for op, table in ops:
                 problem = self._problem(op, m, w.dtype)
-                if m <= MAX_M:
-                    x = torch.randn(m, self.in_features, device=w.device, dtype=w.dtype) * 0.1
-
+                if x is not None:
                     def candidates(table=table, problem=problem, x=x, separate=op == "dense_swiglu"):
                         listed = [(k.name, c, lambda k=k, c=c: k.run(x, w, config=c))
                                   for k, c in runnable(table, problem) if k.run is not None]

@@ -93,10 +93,10 @@ def _fits(n: int, k: int, block_n: int, block_k: int, split: int, stages: int, s
     return k % (split * block_k) == 0 and stages * stage_bytes <= SHARED_BYTES
 
 
-def stream_config(n: int, k: int, num_sms: int, swiglu: bool = False) -> dict:
+def stream_config(n: int, k: int, num_sms: int) -> dict:
     """The default launch: 64-row tiles 128 deep, 4 stages in flight; K split in two while the row
     tiles give fewer programs than SMs and each split keeps at least 1,024 of K (n: the output
-    rows, F for SwiGLU). Within a few percent of bench_dense.py's fastest on the Llama shapes."""
+    rows, F for SwiGLU). `benchmarks/bench_dense.py --sweep` times it against `stream_configs`."""
     block_k = next(b for b in (128, 64) if k % b == 0)
     tiles, split = triton.cdiv(n, 64), 1
     while tiles * split < num_sms and k % (2 * split * block_k) == 0 and k // (2 * split) >= 1024:
@@ -107,7 +107,7 @@ def stream_config(n: int, k: int, num_sms: int, swiglu: bool = False) -> dict:
 def stream_configs(n: int, k: int, num_sms: int, swiglu: bool = False) -> list[tuple]:
     """What the tuner times: the default first, then deeper or wider tiles and the neighbouring
     splits, each as a hashable (BLOCK_N, BLOCK_K, SPLIT_K, num_stages) that fits."""
-    d = stream_config(n, k, num_sms, swiglu)
+    d = stream_config(n, k, num_sms)
     base = (d["BLOCK_N"], d["BLOCK_K"], d["SPLIT_K"], d["num_stages"])
     out = [base]
     for bn, bk, split, stages in ((64, 128, base[2], 6), (64, 256, base[2], 3), (64, 256, base[2], 4),
@@ -142,7 +142,7 @@ def stream_matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
         raise ValueError("x needs unit stride along K and w must be contiguous")
     if swiglu and w.shape[0] % 2:
         raise ValueError(f"w: a fused gate/up weight has an even row count, got {w.shape[0]}")
-    cfg = as_config(config or stream_config(n, k, sm_count_or_default(x.device), swiglu))
+    cfg = as_config(config or stream_config(n, k, sm_count_or_default(x.device)))
     split = cfg["SPLIT_K"]
     if k % (split * cfg["BLOCK_K"]):
         raise ValueError(f"config: K={k} is not a multiple of SPLIT_K={split} x BLOCK_K={cfg['BLOCK_K']}")
