@@ -4,7 +4,7 @@
 
 Per shape (q/k/v, o, gate/up with SwiGLU, down, the LM head) and M: cuBLAS (torch's GEMM; for gate/up
 followed by the engine's SwiGLU kernel, what the dense format ran before) and the streaming kernel
-(engine/kernels/dense_triton.py) with its rule's launch (`stream_config`), and with --sweep every
+(engine/kernels/stream_triton.py) with its rule's launch (`stream_config`), and with --sweep every
 configuration the tuner times (`stream_configs`). Each is captured in a CUDA graph over rotating
 weight copies (together more than 400 MB, so every call reads its weight from HBM) and the replay
 is timed with CUDA events, the median over replays per call. Bytes are everything a call must move
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 from benchmarks.bench_fp8 import measure_ceilings  # noqa: E402
 from benchmarks.timing import time_graph  # noqa: E402
-from engine.kernels import dense_triton  # noqa: E402
+from engine.kernels import stream_triton  # noqa: E402
 from engine.kernels.swiglu import swiglu  # noqa: E402
 
 SHAPES = {"q/k/v": (6144, 4096, False), "o": (4096, 4096, False), "gate/up + SwiGLU": (28672, 4096, True),
@@ -47,8 +47,8 @@ def main():
         copies = max(2, -(-400_000_000 // (2 * n * k)))
         ws = [(torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16) for _ in range(copies)]
         width = n // 2 if sw else n
-        rule = dense_triton.stream_config(width, k, sms)
-        listed = dense_triton.stream_configs(width, k, sms, sw) if args.sweep else []
+        rule = stream_triton.stream_config(width, k, sms)
+        listed = stream_triton.stream_configs(width, k, sms, sw) if args.sweep else []
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             out = torch.empty(m, width, device="cuda", dtype=torch.bfloat16)
@@ -59,7 +59,7 @@ def main():
             nbytes = 2 * (n * k + m * k + m * width)
 
             def stream(i, cfg):
-                return dense_triton.stream_matmul(x, ws[i], out, cfg, sw)
+                return stream_triton.stream_matmul(x, ws[i], out, cfg, sw)
             timed = {}
             for cfg in [rule] + listed:
                 out.fill_(float("nan"))

@@ -1,4 +1,5 @@
-"""The dense decode GEMM (engine/kernels/dense_triton.py) and the dense format's kernel lists.
+"""The weight-streaming decode GEMM (engine/kernels/stream_triton.py) on 16-bit weights, and the dense
+format's kernel lists (its e4m3 entry point is tested in tests/test_fp8.py).
 
 The kernel against a float64 reference in Triton's interpreter (marker `interpreter`: the child
 process of tests/test_interpreter.py runs them without a GPU), compiled for sm_90 on the CPU with
@@ -17,7 +18,7 @@ from engine.kernels.platform import fake_capability
 from engine.kernels.select import Problem
 
 triton = pytest.importorskip("triton")
-from engine.kernels import dense_triton  # noqa: E402  (needs Triton)
+from engine.kernels import stream_triton  # noqa: E402  (needs Triton)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # bf16 output rounding alone is ~2^-9 relative per element; fp16's 2^-12
@@ -38,13 +39,13 @@ def rel_err(out, ref):
 
 
 def reference(x, w, swiglu):
-    return dense_triton.stream_matmul_ref(x.double(), w.double(), swiglu)   # float64 in, float64 out
+    return stream_triton.stream_matmul_ref(x.double(), w.double(), swiglu)   # float64 in, float64 out
 
 
 def check(x, w, swiglu, config=None):
     n = w.shape[0] // 2 if swiglu else w.shape[0]
     out = torch.full((x.shape[0], n), float("nan"), device=x.device, dtype=x.dtype)
-    dense_triton.stream_matmul(x, w, out, config, swiglu)
+    stream_triton.stream_matmul(x, w, out, config, swiglu)
     assert not out.isnan().any(), "unwritten (NaN) elements"
     err = rel_err(out, reference(x, w, swiglu))
     assert err < TOL[x.dtype], (tuple(x.shape), tuple(w.shape), swiglu, config, err)
@@ -77,54 +78,60 @@ def test_stream_matmul_fp16_strided_rows_and_its_default_config():
 def test_stream_matmul_refuses_what_it_cannot_take():
     w = torch.zeros(64, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="up to 16 rows"):
-        dense_triton.stream_matmul(torch.zeros(17, 128, dtype=torch.bfloat16), w)
+        stream_triton.stream_matmul(torch.zeros(17, 128, dtype=torch.bfloat16), w)
     with pytest.raises(ValueError, match="not a multiple of 64"):
-        dense_triton.stream_matmul(torch.zeros(1, 96, dtype=torch.bfloat16), torch.zeros(64, 96, dtype=torch.bfloat16))
-    assert dense_triton.stream_matmul(torch.zeros(0, 128, dtype=torch.bfloat16), w).shape == (0, 64)
+        stream_triton.stream_matmul(torch.zeros(1, 96, dtype=torch.bfloat16), torch.zeros(64, 96, dtype=torch.bfloat16))
+    assert stream_triton.stream_matmul(torch.zeros(0, 128, dtype=torch.bfloat16), w).shape == (0, 64)
     with pytest.raises(ValueError, match="same K and dtype"):
-        dense_triton.stream_matmul(torch.zeros(1, 128, dtype=torch.float16), w)
+        stream_triton.stream_matmul(torch.zeros(1, 128, dtype=torch.float16), w)
     with pytest.raises(ValueError, match="same K and dtype"):
-        dense_triton.stream_matmul(torch.zeros(1, 64, dtype=torch.bfloat16), w)
+        stream_triton.stream_matmul(torch.zeros(1, 64, dtype=torch.bfloat16), w)
     with pytest.raises(ValueError, match="not a multiple"):
-        dense_triton.stream_matmul(torch.zeros(1, 128, dtype=torch.bfloat16), w, config=(64, 128, 2, 2))
+        stream_triton.stream_matmul(torch.zeros(1, 128, dtype=torch.bfloat16), w, config=(64, 128, 2, 2))
     with pytest.raises(ValueError, match="even row count"):
-        dense_triton.stream_matmul(torch.zeros(1, 128, dtype=torch.bfloat16), w[:63], swiglu=True)
+        stream_triton.stream_matmul(torch.zeros(1, 128, dtype=torch.bfloat16), w[:63], swiglu=True)
 
 
 def test_launch_rule_at_llama_shapes():
     """K split until the row tiles give one program per SM (132 on an H200), never below 1,024
     of K a split; every listed configuration divides K and fits shared memory."""
-    splits = {name: dense_triton.stream_config(n // 2 if sw else n, k, 132)["SPLIT_K"]
+    splits = {name: stream_triton.stream_config(n // 2 if sw else n, k, 132)["SPLIT_K"]
               for name, (n, k, sw) in LLAMA_8B.items()}
     assert splits == {"qkv": 2, "o": 4, "gate_up": 1, "down": 4}
-    assert dense_triton.stream_config(4096, 1024, 132)["SPLIT_K"] == 1   # a split would keep 512 of K
+    assert stream_triton.stream_config(4096, 1024, 132)["SPLIT_K"] == 1   # a split would keep 512 of K
     for n, k, sw in LLAMA_8B.values():
-        configs = dense_triton.stream_configs(n // 2 if sw else n, k, 132, sw)
+        configs = stream_triton.stream_configs(n // 2 if sw else n, k, 132, sw)
         assert len(configs) == len(set(configs)) >= 4
         for bn, bk, split, stages in configs:
             assert k % (split * bk) == 0 and stages * 2 * (bn * bk * (2 if sw else 1) + 16 * bk) <= 227 * 1024
 
 
 @pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") == "1", reason="compiles, not interprets")
-def test_compiles_for_sm90_to_wgmma_fed_by_cp_async():
-    """The PTX for Hopper: the weight tile feeds a bf16 WGMMA (m64n16k16) from shared memory, filled by
-    cp.async in a multi-stage pipeline; the SwiGLU variant runs two per K step."""
+@pytest.mark.parametrize("kind", ["bf16", "bf16 SwiGLU", "e4m3 + residual"])
+def test_compiles_for_sm90_to_wgmma_fed_by_cp_async(kind):
+    """The PTX for Hopper: the weight tile feeds a WGMMA (bf16 m64n16k16, or e4m3 m64n16k32 on the
+    bytes as stored) from shared memory, filled by cp.async in a multi-stage pipeline; the SwiGLU
+    variant runs two per K step; the split's partial sums leave by atomics."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    kernel = dense_triton._stream_kernel
+    kernel = stream_triton._stream_kernel
     names = kernel.arg_names
-    types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "acc_ptr": "*fp32", "count_ptr": "*i32",
-             "M": "i32", "N": "i32", "stride_xm": "i32", "stride_om": "i32"}
-    for swiglu in (False, True):
-        constexprs = {"K": 4096, "SPLIT_K": 2, "BLOCK_N": 64, "BLOCK_K": 128, "SWIGLU": swiglu, "FP32_DOT": False}
-        signature = {n: types.get(n, "constexpr") for n in names}
-        aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr")}
-        src = ASTSource(kernel, signature, {(names.index(n),): v for n, v in constexprs.items()}, aligned)
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4}).asm["ptx"]
-        wgmma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
-        assert wgmma and all("m64n16k16.f32.bf16.bf16" in line for line in wgmma), wgmma[:2]
-        assert "cp.async.cg.shared.global" in ptx and "cp.async.wait_group" in ptx
-        assert "red.global.add.f32" in ptx or "atom.global" in ptx     # the split's reduction
+    e4m3 = kind.startswith("e4m3")
+    value = "*fp8e4nv" if e4m3 else "*bf16"
+    types = {"x_ptr": value, "w_ptr": value, "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "res_ptr": "*bf16",
+             "out_ptr": "*bf16", "acc_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32",
+             "stride_xm": "i32", "stride_om": "i32"}
+    constexprs = {"K": 4096, "SPLIT_K": 2, "BLOCK_N": 64, "BLOCK_K": 256 if e4m3 else 128,
+                  "SWIGLU": kind.endswith("SwiGLU"), "E4M3": e4m3, "HAS_RESIDUAL": e4m3, "NATIVE": True}
+    signature = {n: types.get(n, "constexpr") for n in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr")}
+    src = ASTSource(kernel, signature, {(names.index(n),): v for n, v in constexprs.items()}, aligned)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4}).asm["ptx"]
+    wgmma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
+    shape = "m64n16k32.f32.e4m3.e4m3" if e4m3 else "m64n16k16.f32.bf16.bf16"
+    assert wgmma and all(shape in line for line in wgmma), wgmma[:2]
+    assert "cp.async.cg.shared.global" in ptx and "cp.async.wait_group" in ptx
+    assert "red.global.add.f32" in ptx or "atom.global" in ptx     # the split's reduction
 
 
 # ------------------------------------------------------------------------------ selection
@@ -174,7 +181,7 @@ def test_gpu_every_listed_config_at_llama_shapes(name):
     torch.manual_seed(0)
     w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for config in dense_triton.stream_configs(n // 2 if swiglu else n, k, sms, swiglu):
+    for config in stream_triton.stream_configs(n // 2 if swiglu else n, k, sms, swiglu):
         for m in (1, 7, 16):
             check(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), w, swiglu, config)
 

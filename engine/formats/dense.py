@@ -3,7 +3,7 @@
 y = x @ W^T with W [N, K] as loaded, in the model dtype, fp32 accumulation.
 
 The dense GEMM, per architecture (engine/kernels/select.py):
-- sm_90: M <= 16 the Triton weight-streaming kernel (engine/kernels/dense_triton.py), which also
+- sm_90: M <= 16 the Triton weight-streaming kernel (engine/kernels/stream_triton.py), which also
   forms SwiGLU in its epilogue for a fused gate/up weight; larger M torch's GEMM (cuBLAS). The tuner
   times the streaming kernel's configurations against cuBLAS at engine start, per M bucket.
 - anything else (the CPU, other GPUs): torch's GEMM.
@@ -17,7 +17,7 @@ from engine.formats.base import WeightFormat
 from engine.kernels.platform import sm_count_or_default
 from engine.kernels.select import Kernel, Problem, m_bucket, runnable, select
 
-MAX_M = 16   # engine/kernels/dense_triton.py's MAX_M (that module needs Triton to import)
+MAX_M = 16   # engine/kernels/stream_triton.py's MAX_M (that module needs Triton to import)
 
 
 def _torch_linear(x, w, config=None):
@@ -25,7 +25,7 @@ def _torch_linear(x, w, config=None):
 
 
 def _stream(x, w, config=None, swiglu=False):
-    from engine.kernels.dense_triton import stream_matmul
+    from engine.kernels.stream_triton import stream_matmul
     return stream_matmul(x if x.stride(-1) == 1 else x.contiguous(), w, config=config, swiglu=swiglu)
 
 
@@ -43,7 +43,7 @@ def _stream_fits(p: Problem) -> str | None:
 
 
 def _stream_configs(p: Problem) -> list:
-    from engine.kernels.dense_triton import stream_configs
+    from engine.kernels.stream_triton import stream_configs
     swiglu = p.op == "dense_swiglu"
     return stream_configs(p.n // 2 if swiglu else p.n, p.k, sm_count_or_default(p.device), swiglu)
 

@@ -1,14 +1,16 @@
-"""FP8 (e4m3) Triton kernels: per-row activation quantisation and the small-M weight-streaming GEMM.
+"""FP8 (e4m3) Triton kernels: per-row activation quantisation and the small-M weight-streaming GEMM's
+FP8 entry point.
 
 Format (engine/formats/fp8.py): e4m3 weights with one fp32 scale per output channel, e4m3
 activations with one fp32 scale per token; y[m, n] = sum_k qx[m, k] qw[n, k] * x_scale[m] *
 w_scale[n] (+ residual[m, n]), fp32 accumulation, bf16 out.
 
-`fp8_gemm_small_m` (M <= 16, N % 16 == 0, K % 64 == 0): decode is bound by reading the weight once,
-so the weight tile is the A operand of an e4m3 x e4m3 WGMMA read straight from shared memory (no
-conversion instruction per weight byte), 64-row tiles; K is split only when N gives fewer than half a
-tile per SM, and the split's partial sums are reduced in the same launch (engine/kernels/split_k.py).
-Launch parameters: `small_m_config`, the one table of this kernel's tuning constants.
+`fp8_gemm_small_m` (M <= 16, N % 16 == 0, K % 64 == 0): the weight-streaming kernel of
+engine/kernels/stream_triton.py on e4m3 operands: the weight tile is the A operand of an e4m3 x e4m3
+WGMMA read straight from shared memory (no conversion instruction per weight byte), 64-row tiles; K
+is split only when N gives fewer than half a tile per SM, and the split's partial sums are reduced in
+the same launch. Launch parameters for FP8 weights: `small_m_config`, the one table of its tuning
+constants.
 
 `quantize_rows_triton(x)`: one pass per row, amax then scale and convert (the second read hits L1/L2).
 """
@@ -19,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from engine.kernels.platform import activation_empty, interpreting, sm_count_or_default
+from engine.kernels.platform import activation_empty, sm_count_or_default
 
 SMALL_M = 16
 
@@ -30,10 +32,9 @@ def _triton_kernels():
     import triton
     import triton.language as tl
 
-    # Module globals, not locals: Triton (its interpreter too) looks a kernel's callees up there.
-    global e4m3_scale, split_k_arrive, split_k_take
+    # A module global, not a local: Triton (its interpreter too) looks a kernel's callees up there.
+    global e4m3_scale
     from engine.kernels.norms import e4m3_scale
-    from engine.kernels.split_k import split_k_arrive, split_k_take
 
     @triton.jit
     def quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, BLOCK_K: tl.constexpr):
@@ -52,56 +53,11 @@ def _triton_kernels():
             q = tl.clamp(tl.math.div_rn(v, scale), -448.0, 448.0)  # IEEE division, as the reference
             tl.store(q_ptr + row * K + offs, q.to(tl.float8e4nv), mask=offs < K)
 
-    # M is not specialised: one binary for every decode batch size.
-    @triton.jit(do_not_specialize=["M"])
-    def stream_kernel(qx_ptr, xs_ptr, qw_ptr, ws_ptr, res_ptr, out_ptr, acc_ptr, count_ptr, M, N,
-                      K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      FP8_DOT: tl.constexpr):
-        # acc[BLOCK_N, BLOCK_M] = W_tile @ X_tile^T: the weight rows sit on the MMA's M side, so
-        # the weight tile is the A operand even for one token. FP8_DOT: e4m3 x e4m3 WGMMA straight
-        # from shared memory (no conversion instructions at all), each BLOCK_K-deep product added
-        # into an fp32 sum (Hopper's fp8 MMA accumulates at reduced precision within one); else
-        # both operands widened to fp16 (exact) for an fp16 MMA.
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        K_SPLIT: tl.constexpr = K // SPLIT_K
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_k = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
-        w_ptrs = qw_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
-        x_ptrs = qx_ptr + offs_m[:, None] * K + offs_k[None, :]
-        m_mask = offs_m[:, None] < M
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for _ in range(0, K_SPLIT, BLOCK_K):
-            w = tl.load(w_ptrs)
-            xt = tl.trans(tl.load(x_ptrs, mask=m_mask, other=0.0))
-            if FP8_DOT:
-                acc += tl.dot(w, xt)
-            else:
-                acc = tl.dot(w.to(tl.float16), xt.to(tl.float16), acc)
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
-        out_offs = offs_m[None, :] * N + offs_n[:, None]
-        mask = offs_m[None, :] < M
-        if SPLIT_K > 1:
-            if split_k_arrive(acc, acc_ptr + out_offs, mask, count_ptr + pid_n, SPLIT_K):
-                acc = split_k_take(acc_ptr + out_offs, mask, count_ptr + pid_n)
-                y = acc * tl.load(ws_ptr + offs_n)[:, None] * tl.load(xs_ptr + offs_m, mask=offs_m < M, other=0.0)[None, :]
-                if HAS_RESIDUAL:
-                    y += tl.load(res_ptr + out_offs, mask=mask).to(tl.float32)
-                tl.store(out_ptr + out_offs, y.to(tl.bfloat16), mask=mask)
-        else:
-            y = acc * tl.load(ws_ptr + offs_n)[:, None] * tl.load(xs_ptr + offs_m, mask=offs_m < M, other=0.0)[None, :]
-            if HAS_RESIDUAL:
-                y += tl.load(res_ptr + out_offs, mask=mask).to(tl.float32)
-            tl.store(out_ptr + out_offs, y.to(tl.bfloat16), mask=mask)
-
-    return quantize_rows_kernel, stream_kernel
+    return quantize_rows_kernel
 
 
 def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    quantize_rows_kernel = _triton_kernels()[0]
+    quantize_rows_kernel = _triton_kernels()
     m, k = x.shape
     q = activation_empty(m, k, torch.float8_e4m3fn, x.device)     # whole GEMM tiles of rows
     scale = torch.empty(m, device=x.device, dtype=torch.float32)
@@ -135,8 +91,7 @@ def fp8_gemm_small_m(qx, x_scale, qw, w_scale, residual=None, split: int | None 
     split overrides the automatic K split (tests cover several), config the whole launch
     (small_m_config's keys, for the benchmark's sweep); out is written in place if given.
     """
-    from engine.kernels.split_k import split_k_buffers
-    stream_kernel = _triton_kernels()[1]
+    from engine.kernels.stream_triton import launch
     m, k = qx.shape
     n = qw.shape[0]
     if m > SMALL_M or n % 16 or k % 64:
@@ -144,20 +99,16 @@ def fp8_gemm_small_m(qx, x_scale, qw, w_scale, residual=None, split: int | None 
                          f"got M={m}, N={n}, K={k}")
     num_sms = sm_count_or_default(qx.device)
     cfg = dict(config or small_m_config(n, k, num_sms))
-    split = split or cfg.pop("SPLIT_K")
-    cfg.pop("SPLIT_K", None)
-    if k % (split * cfg["BLOCK_K"]):
-        raise ValueError(f"split {split} must divide K={k} into multiples of {cfg['BLOCK_K']}")
+    cfg["SPLIT_K"] = split or cfg["SPLIT_K"]
+    if k % (cfg["SPLIT_K"] * cfg["BLOCK_K"]):
+        raise ValueError(f"split {cfg['SPLIT_K']} must divide K={k} into multiples of {cfg['BLOCK_K']}")
     if out is None:
         out = torch.empty(m, n, device=qx.device, dtype=torch.bfloat16)
-    tiles = n // cfg["BLOCK_N"]
-    acc, count = split_k_buffers(qx.device, m * n, tiles) if split > 1 else (out, out)
-    res = residual.contiguous() if residual is not None else out
-    stream_kernel[(tiles, split)](
-        qx.contiguous(), x_scale.float().contiguous(), qw.contiguous(), w_scale.float().contiguous(),
-        res, out, acc, count, m, n, K=k, HAS_RESIDUAL=residual is not None, SPLIT_K=split,
-        BLOCK_M=16, FP8_DOT=qx.is_cuda and not interpreting(), **cfg)
-    return out
+    elif not out.is_contiguous():
+        raise ValueError("out: the kernel writes a contiguous [M, N]")
+    return launch(qx.contiguous(), qw.contiguous(), out, cfg, x_scale=x_scale.float().contiguous(),
+                  w_scale=w_scale.float().contiguous(),
+                  residual=residual.contiguous() if residual is not None else None)
 
 
 @torch.library.custom_op("microengine::fp8_gemm_small_m", mutates_args=(), device_types="cuda")

@@ -1,23 +1,32 @@
-"""Dense (bf16 / fp16) weight-streaming decode GEMM for M <= 16 tokens, in Triton: y = x @ W^T.
+"""Weight-streaming decode GEMM for M <= 16 tokens, in Triton: y = x @ W^T, for 16-bit weights
+(the dense format) and for e4m3 weights with per-channel scales (the FP8 format).
 
-`stream_matmul(x, w, out=None, config=None, swiglu=False)`: x [M, K] with unit stride along K, w
-[N, K] contiguous, both bf16 or both fp16; out [M, N] in the same dtype; fp32 accumulation.
+`stream_matmul(x, w, out=None, config=None, swiglu=False)`, 16-bit: x [M, K] with unit stride along
+K, w [N, K] contiguous, both bf16 or both fp16; out [M, N] in the same dtype; fp32 accumulation.
 swiglu=True: w is a fused gate/up projection (rows [0, N/2) gate, [N/2, N) up) and out [M, N/2] =
 silu(gate) * up, formed in the epilogue, so the [M, N] product is never stored and no SwiGLU
 kernel follows. Constraints: M <= 16 (no rows: nothing launches), K a multiple of 64 and of the
-configuration's SPLIT_K x BLOCK_K. `stream_config` holds the tuning rule, `stream_configs` what
-the tuner times (engine/formats/dense.py lists the kernel against cuBLAS).
+configuration's SPLIT_K x BLOCK_K. `stream_config` holds its tuning rule, `stream_configs` what the
+tuner times (engine/formats/dense.py lists the kernel against cuBLAS).
+
+`launch(...)`, the kernel itself for both weight kinds: engine/kernels/fp8_triton.py's
+`fp8_gemm_small_m` calls it with e4m3 x and w, their fp32 scales (y = acc * x_scale[m] *
+w_scale[n]) and an optional bf16 residual added in the epilogue, and with its own launch rule.
 
 Design: at decode every weight byte is read once and nothing else is large, so the kernel is a
 weight stream. The weight tile is the MMA's A operand (BLOCK_N rows on its M side, so one token
 still fills the instruction) and x^T, padded to 16 columns, its B operand; Triton's pipeliner keeps
-`num_stages` tiles in flight through shared memory. Weights with too few row tiles to fill the
-SMs split K across programs, reduced in the same launch (engine/kernels/split_k.py). Weight rows past
-N re-read row N - 1 and are never stored; x rows past M load as zeros.
+`num_stages` tiles in flight through shared memory. e4m3 tiles go to an e4m3 x e4m3 WGMMA as
+stored (no conversion instruction per weight byte), each BLOCK_K-deep product added into the fp32
+sum apart (Hopper's FP8 MMA accumulates at reduced precision within one). Weights with too few row
+tiles to fill the SMs split K across programs, reduced in the same launch
+(engine/kernels/split_k.py). Weight rows past N re-read row N - 1 and are never stored; x rows past
+M load as zeros.
 
 Numerics: fp32 accumulation; with split-K the partial sums meet through fp32 atomics, whose order
-varies from run to run (a last-bit difference in the fp32 sum, as in the FP8 and NVFP4 decode
-kernels).
+varies from run to run (a last-bit difference in the fp32 sum, as in the NVFP4 decode kernels).
+Under Triton's interpreter the operands are widened first (to fp32, e4m3 to fp16: exact), since
+its dot takes neither bf16 nor e4m3.
 """
 from __future__ import annotations
 
@@ -36,13 +45,29 @@ MAX_M = 16
 SHARED_BYTES = 227 * 1024   # a Hopper block's shared memory
 
 
+@jit
+def _dot(w, xt, acc, E4M3: tl.constexpr, NATIVE: tl.constexpr):
+    """acc + w @ xt in fp32 (module docstring: how each operand kind multiplies)."""
+    if E4M3:
+        if NATIVE:
+            return acc + tl.dot(w, xt)
+        return tl.dot(w.to(tl.float16), xt.to(tl.float16), acc)
+    if NATIVE:
+        return tl.dot(w, xt, acc)
+    return tl.dot(w.to(tl.float32), xt.to(tl.float32), acc)
+
+
 @jit(do_not_specialize=["M"])   # one binary for every M up to 16
-def _stream_kernel(x_ptr, w_ptr, out_ptr, acc_ptr, count_ptr, M, N, stride_xm, stride_om,
-                   K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SWIGLU: tl.constexpr, FP32_DOT: tl.constexpr):
+def _stream_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, res_ptr, out_ptr, acc_ptr, count_ptr,
+                   M, N, stride_xm, stride_om, K: tl.constexpr, SPLIT_K: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr,
+                   E4M3: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NATIVE: tl.constexpr):
     """acc[BLOCK_N, 16] = W[rows, K slice] @ x[:, K slice]^T. SWIGLU: N is the output width F,
     the program also streams up rows F + rows, and the split-K scratch holds gate then up
-    ([M, 2N]). FP32_DOT: the operands widened to fp32 (the interpreter's dot takes no bf16)."""
+    ([M, 2N]). E4M3: e4m3 operands, scaled in the epilogue by x_scale[m] * w_scale[n].
+    HAS_RESIDUAL: a residual [M, N] (out's row stride) added last. NATIVE: the GPU's dot on the
+    operands as stored, else widened first (the interpreter)."""
+    tl.static_assert(not (SWIGLU and (E4M3 or HAS_RESIDUAL)), "SwiGLU: 16-bit weights, no residual")
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     K_SPLIT: tl.constexpr = K // SPLIT_K
@@ -57,16 +82,9 @@ def _stream_kernel(x_ptr, w_ptr, out_ptr, acc_ptr, count_ptr, M, N, stride_xm, s
         # Rows past M are masked, not clamped to M - 1: the loads go to L2 (cp.async.cg), where every
         # program reading the same row at once queues on one address.
         xt = tl.trans(tl.load(x_ptrs, mask=(cols < M)[:, None], other=0.0))
-        w = tl.load(w_ptrs)
-        if FP32_DOT:
-            xt = xt.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(w, xt, acc)
+        acc = _dot(tl.load(w_ptrs), xt, acc, E4M3, NATIVE)
         if SWIGLU:
-            w_up = tl.load(w_ptrs + N * K)
-            if FP32_DOT:
-                w_up = w_up.to(tl.float32)
-            acc_up = tl.dot(w_up, xt, acc_up)
+            acc_up = _dot(tl.load(w_ptrs + N * K), xt, acc_up, E4M3, NATIVE)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     mask = (cols < M)[None, :] & (rows < N)[:, None]
@@ -81,10 +99,38 @@ def _stream_kernel(x_ptr, w_ptr, out_ptr, acc_ptr, count_ptr, M, N, stride_xm, s
                 acc_up = split_k_take(scratch + N, mask, count_ptr + pid_n)
             acc = split_k_take(scratch, mask, count_ptr + pid_n)
     if last:
+        out_offs = cols[None, :] * stride_om + rows[:, None]
+        if E4M3:
+            x_scale = tl.load(x_scale_ptr + cols, mask=cols < M, other=0.0)
+            acc = acc * tl.load(w_scale_ptr + tl.minimum(rows, N - 1))[:, None] * x_scale[None, :]
         if SWIGLU:
             acc = acc * tl.sigmoid(acc) * acc_up
-        tl.store(out_ptr + cols[None, :] * stride_om + rows[:, None], acc.to(out_ptr.dtype.element_ty),
-                 mask=mask)
+        if HAS_RESIDUAL:
+            acc += tl.load(res_ptr + out_offs, mask=mask).to(tl.float32)
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, swiglu: bool = False,
+           x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """One launch of the kernel on checked operands: x [M, K] (unit stride along K), w [N, K]
+    contiguous (2N rows with swiglu), out [M, N] with unit stride along N; e4m3 x and w come with
+    their fp32 scales; residual [M, N] with out's strides. cfg: BLOCK_N, BLOCK_K, SPLIT_K,
+    num_stages, num_warps."""
+    m, k = x.shape
+    n = out.shape[1]
+    if m == 0:
+        return out
+    split = cfg["SPLIT_K"]
+    tiles = triton.cdiv(n, cfg["BLOCK_N"])
+    acc, count = split_k_buffers(x.device, 2 * m * n, tiles) if split > 1 else (out, out)
+    e4m3 = x_scale is not None
+    _stream_kernel[(tiles, split)](
+        x, w, x_scale if e4m3 else out, w_scale if e4m3 else out, residual if residual is not None else out,
+        out, acc, count, m, n, x.stride(0), out.stride(0), K=k, SPLIT_K=split, BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"], SWIGLU=swiglu, E4M3=e4m3, HAS_RESIDUAL=residual is not None,
+        NATIVE=not interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
 
 
 def _fits(n: int, k: int, block_n: int, block_k: int, split: int, stages: int, swiglu: bool) -> bool:
@@ -148,15 +194,7 @@ def stream_matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
         raise ValueError(f"config: K={k} is not a multiple of SPLIT_K={split} x BLOCK_K={cfg['BLOCK_K']}")
     if out is None:
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    if m == 0:
-        return out
-    tiles = triton.cdiv(n, cfg["BLOCK_N"])
-    acc, count = split_k_buffers(x.device, 2 * m * n, tiles) if split > 1 else (out, out)
-    _stream_kernel[(tiles, split)](
-        x, w, out, acc, count, m, n, x.stride(0), out.stride(0), K=k, SPLIT_K=split, BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"], SWIGLU=swiglu, FP32_DOT=interpreting(), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
-    return out
+    return launch(x, w, out, cfg, swiglu)
 
 
 def stream_matmul_ref(x: torch.Tensor, w: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
