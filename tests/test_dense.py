@@ -16,6 +16,7 @@ from engine.formats import dense
 from engine.kernels import select
 from engine.kernels.platform import fake_capability
 from engine.kernels.select import Problem
+from tests.cute_ptx import SANITIZER, run_under_memcheck
 
 triton = pytest.importorskip("triton")
 from engine.kernels import stream_triton  # noqa: E402  (needs Triton)
@@ -213,3 +214,19 @@ def test_gpu_tuned_backend_and_its_graph_replay(tmp_path):
         y.fill_(float("nan"))
         graph.replay()
         assert rel_err(y, reference(x, w, False)) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SANITIZER is None, reason="needs compute-sanitizer (the CUDA toolkit)")
+def test_gpu_reads_nothing_past_its_operands():
+    """Under memcheck, each tensor its own allocation: M = 5 of 16 columns (x's rows past M
+    masked), N ending inside a row tile (weight rows clamped), K split, with and without SwiGLU."""
+    run_under_memcheck("""
+        import torch
+        from engine.kernels.stream_triton import stream_matmul
+        for n, swiglu in [(4096 + 32, False), (2 * (2048 + 16), True)]:
+            x = torch.randn(5, 4096, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(n, 4096, device="cuda", dtype=torch.bfloat16)
+            stream_matmul(x, w, swiglu=swiglu, config=(64, 128, 2, 4))
+            torch.cuda.synchronize()
+        """)

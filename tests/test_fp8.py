@@ -5,7 +5,7 @@ import torch
 
 from engine.formats import fp8
 from engine.kernels import fp8_triton
-from tests.cute_ptx import compile_in_subprocess, run_python
+from tests.cute_ptx import SANITIZER, compile_in_subprocess, run_python, run_under_memcheck
 
 BF16_ROUNDING = 2.5e-3  # bf16 output rounding alone gives ~1.7e-3 relative (8-bit significand)
 
@@ -350,6 +350,31 @@ def test_sm90_reads_whole_tiles_of_padded_activations():
             a = fp8_gemm_sm90(qx, xs, qw, ws, tile_mn=tile)
             b = fp8_gemm_sm90(tight, xs, qw, ws, tile_mn=tile)
             assert torch.equal(a, b), (m, tile)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SANITIZER is None, reason="needs compute-sanitizer (the CUDA toolkit)")
+def test_fp8_gemms_read_nothing_past_their_operands():
+    """M ending inside a tile, with a residual: the sm90 kernel's 64- and 128-row tiles and the
+    streaming kernel (split K) under memcheck, each tensor its own allocation. A is read in whole
+    tiles where its storage holds them (activation_empty); the scales and the residual hold M rows
+    only, so the epilogue must clamp its loads to M, not to A's tiles."""
+    run_under_memcheck("""
+        import torch
+        from engine.formats import fp8
+        from engine.kernels import fp8_triton
+        from engine.kernels.cute.fp8_gemm_sm90 import fp8_gemm_sm90
+        for m, n, k, tile in [(17, 4096, 4096, (64, 128)), (129, 1024, 4096, (128, 128)), (5, 4096, 4096, None)]:
+            qx, xs = fp8.quantize_act_fp8(torch.randn(m, k, device="cuda").bfloat16())
+            qw, ws = fp8.quantize_rows_fp8(torch.randn(n, k, device="cuda") * 0.02)
+            res = torch.randn(m, n, device="cuda").bfloat16()
+            if tile is None:
+                assert fp8_triton.small_m_config(n, k, 132)["SPLIT_K"] > 1
+                fp8_triton.fp8_gemm_small_m(qx, xs, qw, ws, res)
+            else:
+                fp8_gemm_sm90(qx, xs, qw, ws, res, tile_mn=tile)
+            torch.cuda.synchronize()
+        """)
 
 
 @pytest.mark.gpu

@@ -226,7 +226,9 @@ class Fp8GemmSm90:
         tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
                                            cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
         k_tiles = cute.size(gA, mode=[3])
-        m_total = mA.shape[0]
+        # M, not mA's rows: A is described with whole tiles of rows, the scales and the residual
+        # hold M, and the epilogue's loads clamp to its last row.
+        m_total = mC.shape[0]
 
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
