@@ -12,6 +12,7 @@ from ties import assert_same_greedy
 
 from engine import LLM, ContextLengthError, SamplingParams
 from engine.quality import eval_text
+from tests.cute_ptx import SANITIZER, run_under_memcheck
 
 # logprobs=2: the top two tokens at each step, to tell a near-tie from a fault.
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
@@ -177,6 +178,36 @@ def test_batched_equals_alone_gpu():
         assert_same_greedy(gpu.generate(prompts, p), alone)
     finally:
         gpu.shutdown(timeout=1)
+
+
+# The engine's configurations, each with its own kernels on every path: prefill, decode, attention.
+MEMCHECK_CONFIGS = {"bf16": {}, "fp8": {"weights": "fp8"}, "nvfp4": {"weights": "nvfp4"},
+                    "2:4": {"sparse_ffn": "magnitude"}, "2:4+fp8": {"sparse_ffn": "magnitude", "weights": "fp8"},
+                    "fp8 KV cache": {"kv_cache_dtype": "fp8"}}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SANITIZER is None, reason="needs compute-sanitizer (the CUDA toolkit)")
+@pytest.mark.parametrize("name", list(MEMCHECK_CONFIGS))
+def test_every_kernel_stays_inside_its_tensors_gpu(name):
+    """The engine under compute-sanitizer's memcheck, each tensor its own allocation: prompts of
+    3 to 300 tokens (chunked past a 256-token step, partial tiles and pages everywhere), decode,
+    and two prompts that hit the prefix cache. No read or write may leave its tensor. Graphs and
+    tuning off: capture needs torch's caching allocator, which memcheck runs without, and tuning
+    would only time kernels that run here anyway."""
+    run_under_memcheck(f"""
+        import torch
+        from engine import LLM, SamplingParams
+        llm = LLM("llama-tiny", device="cuda", tune="off", cuda_graphs=False, kv_cache_tokens=2048,
+                  max_num_batched_tokens=256, **{MEMCHECK_CONFIGS[name]!r})
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (3, 40, 130, 300)]
+        p = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        outs = llm.generate(prompts, p)
+        outs += llm.generate([prompts[2] + prompts[1], prompts[3][:200]], p)
+        assert [len(o.token_ids) for o in outs] == [6] * 6
+        llm.shutdown()
+        """)
 
 
 @pytest.mark.gpu
