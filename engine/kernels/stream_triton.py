@@ -158,7 +158,7 @@ def stream_configs(n: int, k: int, num_sms: int, swiglu: bool = False) -> list[t
     out = [base]
     for bn, bk, split, stages in ((64, 128, base[2], 6), (64, 256, base[2], 3), (64, 256, base[2], 4),
                                   (128, 128, base[2], 3), (64, 128, base[2] * 2, 4),
-                                  (64, 128, max(1, base[2] // 2), 4)):
+                                  (64, 128, max(1, base[2] // 2), 4), (64, 128, max(1, base[2] // 2), 6)):
         cfg = (bn, bk, split, stages)
         if cfg not in out and _fits(n, k, bn, bk, split, stages, swiglu):
             out.append(cfg)
