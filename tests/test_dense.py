@@ -4,7 +4,8 @@ format's kernel lists (its e4m3 entry point is tested in tests/test_fp8.py).
 The kernel against a float64 reference in Triton's interpreter (marker `interpreter`: the child
 process of tests/test_interpreter.py runs them without a GPU), compiled for sm_90 on the CPU with
 its PTX read back, its launch rule and input checks, the format's selection with the capability
-faked, and on a GPU (marker `gpu`) every configuration the tuner may pick at Llama-3.1-8B shapes.
+faked, and on a GPU (marker `gpu`) every configuration the tuner may pick at Llama-3.1-8B shapes,
+and the kernel's loads and stores under compute-sanitizer's memcheck.
 Inputs are fresh random draws; outputs start poisoned (NaN), so an element never written fails.
 """
 from __future__ import annotations
