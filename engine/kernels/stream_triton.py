@@ -198,8 +198,10 @@ def stream_matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
 
 
 def stream_matmul_ref(x: torch.Tensor, w: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
-    """The reference: fp32 product (and SwiGLU), rounded once to x's dtype."""
-    y = x.float() @ w.float().t()
+    """The reference: the product (and SwiGLU) in fp32, or in x's dtype where that is wider (float64
+    for the tests), rounded once to x's dtype."""
+    wide = torch.promote_types(x.dtype, torch.float32)
+    y = x.to(wide) @ w.to(wide).t()
     if swiglu:
         gate, up = y.chunk(2, dim=-1)
         y = torch.nn.functional.silu(gate) * up
