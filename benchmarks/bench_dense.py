@@ -24,6 +24,7 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 from benchmarks.bench_fp8 import measure_ceilings  # noqa: E402
 from benchmarks.timing import time_graph  # noqa: E402
 from engine.kernels import stream_triton  # noqa: E402
+from engine.kernels.platform import sm_count  # noqa: E402
 from engine.kernels.swiglu import swiglu  # noqa: E402
 
 SHAPES = {"q/k/v": (6144, 4096, False), "o": (4096, 4096, False), "gate/up + SwiGLU": (28672, 4096, True),
@@ -36,7 +37,7 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also time every configuration the tuner times")
     args = ap.parse_args()
     ms = [int(v) for v in args.m.split(",")]
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = sm_count(torch.device("cuda"))
     print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     copy_gbs = measure_ceilings()[0]
@@ -52,10 +53,7 @@ def main():
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             out = torch.empty(m, width, device="cuda", dtype=torch.bfloat16)
-            ref = x.double() @ ws[0].double().t()
-            if sw:
-                gate, up = ref.chunk(2, dim=-1)
-                ref = F.silu(gate) * up
+            ref = stream_triton.stream_matmul_ref(x.double(), ws[0].double(), sw)
             nbytes = 2 * (n * k + m * k + m * width)
 
             def stream(i, cfg):
