@@ -6,6 +6,8 @@ library questions for every kernel and every selection.
 - `interpreting()`: Triton's interpreter (TRITON_INTERPRET=1) runs the Triton kernels on the CPU;
   inline PTX, Gluon and CuTe DSL cannot run there.
 - `triton_runs(t)`: whether Triton kernels can serve tensor t (CUDA, or the interpreter).
+- `sm_count(device)` / `sm_count_or_default(device)`: a GPU's SMs; the second, for launch rules,
+  falls back to an H100 SXM's 132 where no GPU answers.
 - `jit(fn)`: triton.jit where Triton is installed, else fn unchanged, so a module of kernels imports
   on a machine without Triton and its references still run.
 - `capture(graph, pool)`: torch.cuda.graph for graphs that launch Triton kernels, under either of
