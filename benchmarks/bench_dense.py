@@ -48,7 +48,7 @@ def main():
         copies = max(2, -(-400_000_000 // (2 * n * k)))
         ws = [(torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16) for _ in range(copies)]
         width = n // 2 if sw else n
-        rule = stream_triton.stream_config(width, k, sms)
+        rule = stream_triton.stream_config(width, k, sms, swiglu=sw)
         listed = stream_triton.stream_configs(width, k, sms, sw) if args.sweep else []
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

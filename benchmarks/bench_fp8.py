@@ -41,6 +41,7 @@ from engine.formats import fp8  # noqa: E402
 from engine.kernels import fp8_triton  # noqa: E402
 from engine.kernels.platform import capability  # noqa: E402
 from engine.kernels.select import Problem, select  # noqa: E402
+from engine.kernels.stream_triton import stream_config  # noqa: E402
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K): qkv, o, gate+up, down
 L2_BYTES = 50 * 2**20
@@ -295,7 +296,7 @@ def main():
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in small:
             n, k, m = r["n"], r["k"], r["m"]
-            cfg = fp8_triton.small_m_config(n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+            cfg = stream_config(n, k, torch.cuda.get_device_properties(0).multi_processor_count, weight_bytes=1)
             fp8_bytes = n * k + m * k + 4 * (m + n) + 2 * m * n
             bf16_bytes = 2 * n * k + 2 * m * k + 2 * m * n
             cells = []

@@ -95,14 +95,24 @@ def test_stream_matmul_refuses_what_it_cannot_take():
 
 
 def test_launch_rule_at_llama_shapes():
-    """K split until the row tiles give one program per SM (132 on an H200), never below 1,024
-    of K a split; every listed configuration divides K and fits shared memory."""
-    splits = {name: stream_triton.stream_config(n // 2 if sw else n, k, 132)["SPLIT_K"]
-              for name, (n, k, sw) in LLAMA_8B.items()}
-    assert splits == {"qkv": 2, "o": 4, "gate_up": 1, "down": 4}
-    assert stream_triton.stream_config(4096, 1024, 132)["SPLIT_K"] == 1   # a split would keep 512 of K
+    """One rule for 16-bit and e4m3 weights (132 SMs, an H200): K split only where the row tiles
+    are fewer than half the SMs, and never below 8 tiles of K a split; unsplit short layers run 6
+    stages deep (a SwiGLU program streams two weight tiles). Every listed configuration divides K
+    and fits shared memory, the rule's first."""
+    def launch(n, k, weight_bytes=2, swiglu=False):
+        c = stream_triton.stream_config(n, k, 132, weight_bytes, swiglu)
+        return c["BLOCK_K"], c["SPLIT_K"], c["num_stages"]
+    bf16 = {name: launch(n // 2 if sw else n, k, 2, sw) for name, (n, k, sw) in LLAMA_8B.items()}
+    assert bf16 == {"qkv": (128, 1, 6), "o": (128, 4, 4), "gate_up": (128, 1, 4), "down": (128, 4, 4)}
+    e4m3 = {name: launch(n, k, 1) for name, (n, k, _) in LLAMA_8B.items()}   # FP8 runs gate/up unfused
+    assert e4m3 == {"qkv": (256, 1, 6), "o": (256, 2, 4), "gate_up": (256, 1, 4), "down": (256, 4, 4)}
+    assert launch(128256, 4096) == (128, 1, 4)             # the LM head: many tiles, no split
+    assert launch(1024, 1024) == (128, 1, 6)               # a split would keep 512 of K
+    assert launch(1024, 576) == (64, 1, 6)                 # 576 is not a multiple of 128
     for n, k, sw in LLAMA_8B.values():
         configs = stream_triton.stream_configs(n // 2 if sw else n, k, 132, sw)
+        rule = stream_triton.stream_config(n // 2 if sw else n, k, 132, swiglu=sw)
+        assert configs[0] == (rule["BLOCK_N"], rule["BLOCK_K"], rule["SPLIT_K"], rule["num_stages"])
         assert len(configs) == len(set(configs)) >= 4
         for bn, bk, split, stages in configs:
             assert k % (split * bk) == 0 and stages * 2 * (bn * bk * (2 if sw else 1) + 16 * bk) <= 227 * 1024

@@ -152,16 +152,21 @@ def test_custom_ops_have_fake_kernels():
             assert out.shape == (5, 128) and out.dtype == torch.bfloat16 and out.device.type == "cuda"
 
 
-def test_small_m_split_choice():
+def test_small_m_launch_is_the_streaming_rule_for_one_byte_weights():
+    """FP8 weights launch by stream_triton's rule with 1-byte weights: 16 KB stages are 256 deep."""
+    pytest.importorskip("triton")
+    from engine.kernels.stream_triton import stream_config
+
     def tile(n, k):
-        c = fp8_triton.small_m_config(n, k, 132)
+        c = stream_config(n, k, 132, weight_bytes=1)
         return c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"], c["num_stages"]
     assert tile(28672, 4096) == (64, 256, 1, 4)   # 448 tiles: no split, 4 stages
     assert tile(6144, 4096) == (64, 256, 1, 6)    # 96 tiles: deeper pipeline, still no split
     assert tile(4096, 14336) == (64, 256, 4, 4)   # 64 tiles: split K four ways
-    assert tile(1024, 4096) == (64, 256, 2, 4)    # too few rows, but K/2 = 2048 is the floor
-    assert tile(576, 576) == (64, 64, 1, 6)
-    assert tile(1040, 576)[0] == 16
+    assert tile(4096, 4096) == (64, 256, 2, 4)    # a split keeps 8 tiles of K: 2,048
+    assert tile(1024, 4096) == (64, 256, 2, 4)
+    assert tile(576, 576) == (64, 64, 1, 6)       # K 576: 64 deep, too shallow to split
+    assert tile(1040, 576) == (64, 64, 1, 6)      # 16.25 tiles: the last one's rows past N are clamped
 
 
 # ------------------------------------------------------------------------------ CuTe DSL compiles (CPU)
@@ -364,12 +369,13 @@ def test_fp8_gemms_read_nothing_past_their_operands():
         from engine.formats import fp8
         from engine.kernels import fp8_triton
         from engine.kernels.cute.fp8_gemm_sm90 import fp8_gemm_sm90
+        from engine.kernels.stream_triton import stream_config
         for m, n, k, tile in [(17, 4096, 4096, (64, 128)), (129, 1024, 4096, (128, 128)), (5, 4096, 4096, None)]:
             qx, xs = fp8.quantize_act_fp8(torch.randn(m, k, device="cuda").bfloat16())
             qw, ws = fp8.quantize_rows_fp8(torch.randn(n, k, device="cuda") * 0.02)
             res = torch.randn(m, n, device="cuda").bfloat16()
             if tile is None:
-                assert fp8_triton.small_m_config(n, k, 132)["SPLIT_K"] > 1
+                assert stream_config(n, k, 132, weight_bytes=1)["SPLIT_K"] > 1
                 fp8_triton.fp8_gemm_small_m(qx, xs, qw, ws, res)
             else:
                 fp8_gemm_sm90(qx, xs, qw, ws, res, tile_mn=tile)

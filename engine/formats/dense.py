@@ -89,13 +89,14 @@ class DenseWeight(WeightFormat):
         return None if choice.kernel.run is None else choice.kernel.run(x, self.weight, config=choice.config)
 
     def tune(self, tuner, m_values: list[int], swiglu: bool = False) -> None:
-        """Time the streaming kernel's configurations against cuBLAS for each M up to 16 (and, for a
-        fused gate/up weight, its SwiGLU epilogue against the GEMM plus the SwiGLU kernel)."""
+        """Time the streaming kernel's configurations against cuBLAS for each M up to 16. For a fused
+        gate/up weight, first its SwiGLU epilogue against the GEMM plus the SwiGLU kernel; the plain
+        GEMM is then timed only where the latter won, the one case in which it runs."""
         from engine.kernels.swiglu import swiglu as swiglu_kernel
         w = self.weight
         if w.device.type != "cuda":
             return      # torch's GEMM is all there is
-        ops = [("dense_gemm", DENSE_GEMM)] + ([("dense_swiglu", DENSE_SWIGLU)] if swiglu else [])
+        ops = ([("dense_swiglu", DENSE_SWIGLU)] if swiglu else []) + [("dense_gemm", DENSE_GEMM)]
         for m in m_values:
             # sample activations to time on (none past MAX_M: only torch's GEMM runs there)
             x = torch.randn(m, self.in_features, device=w.device, dtype=w.dtype) * 0.1 if m <= MAX_M else None
@@ -111,7 +112,9 @@ class DenseWeight(WeightFormat):
                     pick = tuner.best(problem, candidates)
                     if pick is not None:
                         self.tuned.setdefault(op, {})[m_bucket(m)] = pick
-                select(table, problem, self.tuned.get(op))   # chosen and logged now
+                choice = select(table, problem, self.tuned.get(op))   # chosen and logged now
+                if op == "dense_swiglu" and choice.kernel is not SEPARATE:
+                    break       # the epilogue runs: this weight's plain GEMM never does at this M
 
     def dequantize(self):
         return self.weight

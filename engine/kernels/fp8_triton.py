@@ -7,10 +7,9 @@ w_scale[n] (+ residual[m, n]), fp32 accumulation, bf16 out.
 
 `fp8_gemm_small_m` (M <= 16, N % 16 == 0, K % 64 == 0): the weight-streaming kernel of
 engine/kernels/stream_triton.py on e4m3 operands: the weight tile is the A operand of an e4m3 x e4m3
-WGMMA read straight from shared memory (no conversion instruction per weight byte), 64-row tiles; K
-is split only when N gives fewer than half a tile per SM, and the split's partial sums are reduced in
-the same launch. Launch parameters for FP8 weights: `small_m_config`, the one table of its tuning
-constants.
+WGMMA read straight from shared memory (no conversion instruction per weight byte), with split-K
+reduced in the same launch. Its launch is stream_triton's rule for 1-byte weights
+(`stream_config(n, k, sms, weight_bytes=1)`), as the dense format's default is the same rule for 2.
 
 `quantize_rows_triton(x)`: one pass per row, amax then scale and convert (the second read hits L1/L2).
 """
@@ -66,39 +65,22 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def small_m_config(n: int, k: int, num_sms: int) -> dict:
-    """Launch parameters of the weight-streaming kernel: 64-row tiles 256 deep (one 16 KB weight
-    stage), 6 stages when there are fewer than 2 tiles per SM (deeper pipelines beat more programs
-    on short layers) else 4. K is split (at most down to 2048 per program) only when N gives fewer
-    than half a tile per SM, until there are 2 programs per SM: a split costs a reduction, which
-    pays only on narrow, deep weights (the down projection)."""
-    block_n = next((b for b in (64, 32, 16) if n % b == 0), 16)
-    block_k = next(b for b in (256, 128, 64) if k % b == 0)
-    tiles, split = n // block_n, 1
-    if tiles < num_sms / 2:
-        while tiles * split < 2 * num_sms and k % (2 * split * block_k) == 0 and k // (2 * split) >= 2048:
-            split *= 2
-    stages = 6 if split == 1 and tiles < 2 * num_sms else 4
-    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": 4,
-            "num_stages": stages}
-
-
 def fp8_gemm_small_m(qx, x_scale, qw, w_scale, residual=None, split: int | None = None,
                      out: torch.Tensor | None = None, config: dict | None = None):
     """bf16 [M, N] for M <= 16 on CUDA: weight streaming, one launch (grid: N tiles x K splits;
     split-K partial sums meet in engine/kernels/split_k.py's accumulator).
 
     split overrides the automatic K split (tests cover several), config the whole launch
-    (small_m_config's keys, for the benchmark's sweep); out is written in place if given.
+    (stream_config's keys, for the benchmark's sweep); out is written in place if given.
     """
-    from engine.kernels.stream_triton import launch
+    from engine.kernels.stream_triton import launch, stream_config
     m, k = qx.shape
     n = qw.shape[0]
     if m > SMALL_M or n % 16 or k % 64:
         raise ValueError(f"small-M kernel takes M <= {SMALL_M}, N % 16 == 0, K % 64 == 0; "
                          f"got M={m}, N={n}, K={k}")
     num_sms = sm_count_or_default(qx.device)
-    cfg = dict(config or small_m_config(n, k, num_sms))
+    cfg = dict(config or stream_config(n, k, num_sms, weight_bytes=1))
     cfg["SPLIT_K"] = split or cfg["SPLIT_K"]
     if k % (cfg["SPLIT_K"] * cfg["BLOCK_K"]):
         raise ValueError(f"split {cfg['SPLIT_K']} must divide K={k} into multiples of {cfg['BLOCK_K']}")

@@ -6,12 +6,14 @@ K, w [N, K] contiguous, both bf16 or both fp16; out [M, N] in the same dtype; fp
 swiglu=True: w is a fused gate/up projection (rows [0, N/2) gate, [N/2, N) up) and out [M, N/2] =
 silu(gate) * up, formed in the epilogue, so the [M, N] product is never stored and no SwiGLU
 kernel follows. Constraints: M <= 16 (no rows: nothing launches), K a multiple of 64 and of the
-configuration's SPLIT_K x BLOCK_K. `stream_config` holds its tuning rule, `stream_configs` what the
-tuner times (engine/formats/dense.py lists the kernel against cuBLAS).
+configuration's SPLIT_K x BLOCK_K. `stream_config` is the launch rule for both weight kinds (by
+bytes per weight), `stream_configs` what the dense tuner times around it (engine/formats/dense.py
+lists the kernel against cuBLAS).
 
 `launch(...)`, the kernel itself for both weight kinds: engine/kernels/fp8_triton.py's
 `fp8_gemm_small_m` calls it with e4m3 x and w, their fp32 scales (y = acc * x_scale[m] *
-w_scale[n]) and an optional bf16 residual added in the epilogue, and with its own launch rule.
+w_scale[n]) and an optional bf16 residual added in the epilogue, launched by the same rule for
+1-byte weights.
 
 Design: at decode every weight byte is read once and nothing else is large, so the kernel is a
 weight stream. The weight tile is the MMA's A operand (BLOCK_N rows on its M side, so one token
@@ -43,6 +45,7 @@ except ImportError:  # no Triton: engine/formats/dense.py never selects this ker
 
 MAX_M = 16
 SHARED_BYTES = 227 * 1024   # a Hopper block's shared memory
+STAGE_BYTES = 16 * 1024     # the weight one pipeline stage holds (stream_config)
 
 
 @jit
@@ -139,25 +142,34 @@ def _fits(n: int, k: int, block_n: int, block_k: int, split: int, stages: int, s
     return k % (split * block_k) == 0 and stages * stage_bytes <= SHARED_BYTES
 
 
-def stream_config(n: int, k: int, num_sms: int) -> dict:
-    """The default launch: 64-row tiles 128 deep, 4 stages in flight; K split in two while the row
-    tiles give fewer programs than SMs and each split keeps at least 1,024 of K (n: the output
-    rows, F for SwiGLU). `benchmarks/bench_dense.py --sweep` times it against `stream_configs`."""
-    block_k = next(b for b in (128, 64) if k % b == 0)
+def stream_config(n: int, k: int, num_sms: int, weight_bytes: int = 2, swiglu: bool = False) -> dict:
+    """The default launch for a weight of `weight_bytes` per element (2: bf16 / fp16, 1: e4m3; n the
+    output rows, F for SwiGLU): 64-row tiles, each stage 16 KB of weight (128 deep in 16 bits, 256
+    in e4m3, shallower where K needs it). K is split only where the row tiles are fewer than half
+    the SMs, doubling while there are fewer programs than SMs and each split keeps 8 tiles of K: a
+    split costs a reduction, which pays on narrow, deep weights (o, down). 6 stages in flight where
+    unsplit with fewer than 2 weight tiles streaming per SM (a deeper pipeline beats a split on
+    short layers; a SwiGLU program streams two, gate and up), else 4.
+    `benchmarks/bench_dense.py --sweep` times it against `stream_configs`."""
+    depth = STAGE_BYTES // (64 * weight_bytes)
+    block_k = next(b for b in (256, 128, 64) if b <= depth and k % b == 0)
     tiles, split = triton.cdiv(n, 64), 1
-    while tiles * split < num_sms and k % (2 * split * block_k) == 0 and k // (2 * split) >= 1024:
-        split *= 2
-    return {"BLOCK_N": 64, "BLOCK_K": block_k, "SPLIT_K": split, "num_stages": 4, "num_warps": 4}
+    if tiles < num_sms / 2:
+        while tiles * split < num_sms and k % (2 * split * block_k) == 0 and k // (2 * split) >= 8 * block_k:
+            split *= 2
+    streams = tiles * (2 if swiglu else 1)
+    stages = 6 if split == 1 and streams < 2 * num_sms else 4
+    return {"BLOCK_N": 64, "BLOCK_K": block_k, "SPLIT_K": split, "num_stages": stages, "num_warps": 4}
 
 
 def stream_configs(n: int, k: int, num_sms: int, swiglu: bool = False) -> list[tuple]:
-    """What the tuner times: the default first, then deeper or wider tiles and the neighbouring
-    splits, each as a hashable (BLOCK_N, BLOCK_K, SPLIT_K, num_stages) that fits."""
-    d = stream_config(n, k, num_sms)
+    """What the dense tuner times: the rule's launch first, then other depths, wider tiles and the
+    neighbouring splits, each as a hashable (BLOCK_N, BLOCK_K, SPLIT_K, num_stages) that fits."""
+    d = stream_config(n, k, num_sms, swiglu=swiglu)
     base = (d["BLOCK_N"], d["BLOCK_K"], d["SPLIT_K"], d["num_stages"])
     out = [base]
-    for bn, bk, split, stages in ((64, 128, base[2], 6), (64, 256, base[2], 3), (64, 256, base[2], 4),
-                                  (128, 128, base[2], 3), (64, 128, base[2] * 2, 4),
+    for bn, bk, split, stages in ((64, 128, base[2], 6), (64, 128, base[2], 4), (64, 256, base[2], 3),
+                                  (64, 256, base[2], 4), (128, 128, base[2], 3), (64, 128, base[2] * 2, 4),
                                   (64, 128, max(1, base[2] // 2), 4), (64, 128, max(1, base[2] // 2), 6)):
         cfg = (bn, bk, split, stages)
         if cfg not in out and _fits(n, k, bn, bk, split, stages, swiglu):
@@ -188,7 +200,7 @@ def stream_matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
         raise ValueError("x needs unit stride along K and w must be contiguous")
     if swiglu and w.shape[0] % 2:
         raise ValueError(f"w: a fused gate/up weight has an even row count, got {w.shape[0]}")
-    cfg = as_config(config or stream_config(n, k, sm_count_or_default(x.device)))
+    cfg = as_config(config or stream_config(n, k, sm_count_or_default(x.device), swiglu=swiglu))
     split = cfg["SPLIT_K"]
     if k % (split * cfg["BLOCK_K"]):
         raise ValueError(f"config: K={k} is not a multiple of SPLIT_K={split} x BLOCK_K={cfg['BLOCK_K']}")
