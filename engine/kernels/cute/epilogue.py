@@ -6,9 +6,12 @@ import cutlass.cute as cute
 
 @cute.jit
 def scale_accumulators(acc: cute.Tensor, coords: cute.Tensor, mXs: cute.Tensor, mWs: cute.Tensor,
-                       mR: cute.Tensor, m_total, has_residual: cutlass.Constexpr, acc_dtype: cutlass.Constexpr):
+                       mR: cute.Tensor, has_residual: cutlass.Constexpr, acc_dtype: cutlass.Constexpr):
     """acc[i] *= xs[row] * ws[col] (+ residual[row, col]) in the accumulator's own register layout;
-    coords[i] is acc[i]'s (row, col). Rows past M are clamped for the loads; the store drops them."""
+    coords[i] is acc[i]'s (row, col). Rows past M (a tile's, or the padded rows an A operand may be
+    described with) are clamped for the loads to M = the x scales' length, which the residual shares;
+    the store drops them."""
+    m_total = cute.size(mXs)
     for i in cutlass.range_constexpr(cute.size(acc)):
         row, col = coords[i]
         safe_row = cutlass.min(row, m_total - 1)

@@ -270,12 +270,11 @@ class Fp8GemmSm100:
         bSG_gC = cute.group_modes(bSG_gC[(None, None, None, tile_m, tile_n)], 1, 3)
         store_pipe = pipeline.PipelineTmaStore.create(
             num_stages=self.c_stages, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128))
-        m_total = cute.size(mXs)
         epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=128)
 
         for sub in cutlass.range(cute.size(tTR_tAcc.shape, mode=[3])):
             cute.copy(t2r, tTR_tAcc[(None, None, None, sub)], tTR_rAcc)
-            scale_accumulators(tTR_rAcc, tTR_cC[(None, None, None, sub)], mXs, mWs, mR, m_total,
+            scale_accumulators(tTR_rAcc, tTR_cC[(None, None, None, sub)], mXs, mWs, mR,
                                self.has_residual, self.acc_dtype)
             tRS_rOut.store(r2s.retile(tTR_rAcc).load().to(self.out_dtype))
             buf = sub % self.c_stages

@@ -226,10 +226,6 @@ class Fp8GemmSm90:
         tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
                                            cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
         k_tiles = cute.size(gA, mode=[3])
-        # M, not mA's rows: A is described with whole tiles of rows, the scales and the residual
-        # hold M, and the epilogue's loads clamp to its last row.
-        m_total = mC.shape[0]
-
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         if wg_idx == 0:
@@ -342,7 +338,7 @@ class Fp8GemmSm90:
 
                 # Scales (and residual) in fp32; the TMA store drops rows past M.
                 scale_accumulators(acc, thr_mma.partition_C(cC[(None, None, tile[0], tile[1])]), mXs, mWs,
-                                   mR, m_total, self.has_residual, self.acc_dtype)
+                                   mR, self.has_residual, self.acc_dtype)
 
                 gC_t = cute.zipped_divide(gC[(None, None, tile[0], tile[1])], self.epi_tile)
                 bSG_sC, bSG_gC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1),
