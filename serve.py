@@ -707,6 +707,10 @@ ENGINE_GAUGES = {
     "kv_blocks_total": ("microengine_kv_cache_capacity_blocks", "KV-cache blocks in the pool."),
     "kv_blocks_used": ("microengine_kv_cache_used_blocks", "KV-cache blocks held by requests."),
     "kv_blocks_free": ("microengine_kv_cache_free_blocks", "KV-cache blocks free or evictable."),
+    "graph_decode_batch_sizes": ("microengine_cuda_graph_decode_batch_sizes",
+                                 "Decode batch sizes captured as CUDA graphs (0: decode runs eagerly)."),
+    "graph_step_sizes": ("microengine_cuda_graph_step_sizes",
+                         "Prefill and mixed step sizes captured as CUDA graph pieces (0: they run eagerly)."),
 }
 ENGINE_COUNTERS = {
     "requests_finished": ("microengine_requests_finished", "Requests finished (stop or length)."),

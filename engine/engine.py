@@ -761,4 +761,8 @@ class Engine:
             "requests_finished": s["finished"], "requests_aborted": s["aborted"], "requests_failed": s["failed"],
             "ttft_seconds": self.ttft.summary(), "itl_seconds": self.itl.summary(),
             "queue_seconds": self.queue_time.summary(),
+            # What replays as CUDA graphs: 0 where graphs are off or their capture failed (the
+            # engine then runs those steps eagerly, several times slower at decode, and logs why).
+            "graph_decode_batch_sizes": len(self.graphs.graphs) if self.graphs is not None else 0,
+            "graph_step_sizes": len(self.step_graphs.pieces) if self.step_graphs is not None else 0,
         }

@@ -43,6 +43,7 @@ def test_batched_equals_alone(llm, prompts16, alone):
     assert_same_greedy(together, alone)
     m = llm.metrics()
     assert m["kv_blocks_used"] == 0 and m["running"] == 0 and m["waiting"] == 0
+    assert m["graph_decode_batch_sizes"] == m["graph_step_sizes"] == 0     # the CPU captures none
 
 
 def test_small_pool_preempts_and_recomputes(prompts16, alone):
@@ -178,6 +179,38 @@ def test_batched_equals_alone_gpu():
         assert_same_greedy(gpu.generate(prompts, p), alone)
     finally:
         gpu.shutdown(timeout=1)
+
+
+@pytest.mark.gpu
+def test_gpu_failed_graph_capture_runs_eagerly_and_says_so(monkeypatch, caplog):
+    """Where a decode graph cannot be captured, the engine logs why, runs decode eagerly with the
+    tokens the graphs give, and its metrics (and /metrics) say which steps replay as graphs."""
+    import logging
+    from engine import cuda_graphs
+    torch.backends.cuda.matmul.allow_tf32 = False
+    prompts = [list(range(5 + i, 5 + i + n)) for i, n in enumerate([1, 17, 130])]
+    p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    kw = {"device": "cuda", "dtype": "fp32", "kv_cache_tokens": 4096}
+    graphs = LLM("llama-tiny", **kw)
+    try:
+        m = graphs.metrics()
+        assert m["graph_decode_batch_sizes"] > 0 and m["graph_step_sizes"] > 0
+        want = graphs.generate(prompts, p)
+    finally:
+        graphs.shutdown(timeout=1)
+
+    def fail(self):
+        raise RuntimeError("injected capture failure")
+    monkeypatch.setattr(cuda_graphs.DecodeGraphs, "capture", fail)
+    with caplog.at_level(logging.WARNING, logger="microengine"):
+        eager = LLM("llama-tiny", **kw)
+    try:
+        assert "decode steps run eagerly" in caplog.text and "injected capture failure" in caplog.text
+        m = eager.metrics()
+        assert m["graph_decode_batch_sizes"] == 0 and m["graph_step_sizes"] > 0
+        assert_same_greedy(eager.generate(prompts, p), want)
+    finally:
+        eager.shutdown(timeout=1)
 
 
 # The engine's configurations, each with its own kernels on every path: prefill, decode, attention.

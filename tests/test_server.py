@@ -170,9 +170,11 @@ def test_models_embeddings_and_metrics(server, reference):
         assert sum((a - b) ** 2 for a, b in zip(g, r)) ** 0.5 < 1e-4
         assert abs(sum(a * a for a in g) - 1) < 1e-4
     assert emb.usage.prompt_tokens == sum(len(reference.encode_prompt(t)) for t in texts)
+    c.completions.create(model=MODEL, prompt=COMPLETION_PROMPT, max_tokens=4)   # this test's own finished request
     m = metrics(server)         # parsed by prometheus_client's parser, so the exposition is valid
     for name in ("microengine_kv_cache_capacity_blocks", "microengine_requests_finished_total",
                  "microengine_requests_waiting", "microengine_requests_rejected_total",
+                 "microengine_cuda_graph_decode_batch_sizes", "microengine_cuda_graph_step_sizes",
                  'microengine_time_to_first_token_seconds_bucket{le="+Inf"}',
                  "microengine_inter_token_latency_seconds_count", "microengine_request_queue_time_seconds_sum",
                  'microengine_http_responses_total{code="200"}', "process_cpu_seconds_total"):
