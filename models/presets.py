@@ -33,13 +33,6 @@ class LlamaConfig:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads})")
 
-    def num_params(self) -> int:
-        h, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
-        attn = h * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
-        per_layer = attn + 3 * h * f + 2 * h
-        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + emb + h
-
 
 _LLAMA3_SCALING_8B = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

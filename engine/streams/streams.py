@@ -135,10 +135,6 @@ class FakeStreams:
         """Tests call this for the compute they stand in for."""
         self.log.append(("kernel", self._current, what))
 
-    def complete_all(self) -> None:
-        for e in self.events:
-            e.complete()
-
     def host_empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
 
