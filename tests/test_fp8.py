@@ -121,8 +121,8 @@ def test_small_m_kernel_in_triton_interpreter():
         from engine.formats import fp8
         from engine.kernels import fp8_triton
         torch.manual_seed(0)
-        for m, n, k, split in [(1, 64, 512, 1), (5, 128, 1024, 2), (16, 64, 576, 1), (16, 48, 1024, 4),
-                               (16, 48, 1024, 4)]:
+        for m, n, k, split in [(1, 64, 512, 1), (5, 128, 1024, 2), (16, 64, 576, 1), (16, 100, 1024, 4),
+                               (16, 100, 1024, 4)]:
             qx, xs = fp8.quantize_rows_fp8(torch.randn(m, k))
             qw, ws = fp8.quantize_rows_fp8(torch.randn(n, k))
             res = torch.randn(m, n).bfloat16()
@@ -361,7 +361,8 @@ def test_sm90_reads_whole_tiles_of_padded_activations():
 @pytest.mark.skipif(SANITIZER is None, reason="needs compute-sanitizer (the CUDA toolkit)")
 def test_fp8_gemms_read_nothing_past_their_operands():
     """M ending inside a tile, with a residual: the sm90 kernel's 64- and 128-row tiles and the
-    streaming kernel (split K) under memcheck, each tensor its own allocation. A is read in whole
+    streaming kernel (split K; also with N ending inside a row tile) under memcheck, each tensor its
+    own allocation. A is read in whole
     tiles where its storage holds them (activation_empty); the scales and the residual hold M rows
     only, so the epilogue must clamp its loads to M, not to A's tiles."""
     run_under_memcheck("""
@@ -370,7 +371,8 @@ def test_fp8_gemms_read_nothing_past_their_operands():
         from engine.kernels import fp8_triton
         from engine.kernels.cute.fp8_gemm_sm90 import fp8_gemm_sm90
         from engine.kernels.stream_triton import stream_config
-        for m, n, k, tile in [(17, 4096, 4096, (64, 128)), (129, 1024, 4096, (128, 128)), (5, 4096, 4096, None)]:
+        for m, n, k, tile in [(17, 4096, 4096, (64, 128)), (129, 1024, 4096, (128, 128)), (5, 4096, 4096, None),
+                              (3, 1000, 4096, None)]:
             qx, xs = fp8.quantize_act_fp8(torch.randn(m, k, device="cuda").bfloat16())
             qw, ws = fp8.quantize_rows_fp8(torch.randn(n, k, device="cuda") * 0.02)
             res = torch.randn(m, n, device="cuda").bfloat16()
@@ -421,7 +423,7 @@ def test_sm90_small_model_shapes():
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2, 5, 8, 16])
 def test_small_m_kernel_matches_float64(m):
-    for j, (n, k) in enumerate(LLAMA_NK[:3] + [(576, 576)]):
+    for j, (n, k) in enumerate(LLAMA_NK[:3] + [(576, 576), (1000, 4096)]):   # N = 1000: a partial row tile
         qx, xs, qw, ws = gpu_operands(m, n, k, seed=100 + m * 10 + j)
         res = torch.randn(m, n, device="cuda").bfloat16() if j % 2 else None
         # Each split twice: the split-K accumulator and counters must be back at zero.

@@ -38,6 +38,7 @@ def chosen(table, op, m, n, k, cap, detail=(), device=CUDA):
 
 # ------------------------------------------------------------------------------------ selection
 @pytest.mark.parametrize("m,n,k,want", [(1, 4096, 4096, "triton_stream"), (16, 28672, 4096, "triton_stream"),
+                                        (16, 1000, 4096, "triton_stream"),     # any N: rows past it clamped
                                         (17, 4096, 14336, "cute_wgmma_sm90"), (8192, 6144, 4096, "cute_wgmma_sm90")])
 def test_fp8_selection_on_hopper(m, n, k, want):
     assert chosen(fp8.FP8_GEMM, "fp8_gemm", m, n, k, (9, 0)) == want

@@ -5,7 +5,7 @@ Format (engine/formats/fp8.py): e4m3 weights with one fp32 scale per output chan
 activations with one fp32 scale per token; y[m, n] = sum_k qx[m, k] qw[n, k] * x_scale[m] *
 w_scale[n] (+ residual[m, n]), fp32 accumulation, bf16 out.
 
-`fp8_gemm_small_m` (M <= 16, N % 16 == 0, K % 64 == 0): the weight-streaming kernel of
+`fp8_gemm_small_m` (M <= 16, K % 64 == 0, any N): the weight-streaming kernel of
 engine/kernels/stream_triton.py on e4m3 operands: the weight tile is the A operand of an e4m3 x e4m3
 WGMMA read straight from shared memory (no conversion instruction per weight byte), with split-K
 reduced in the same launch. Its launch is stream_triton's rule for 1-byte weights
@@ -76,9 +76,8 @@ def fp8_gemm_small_m(qx, x_scale, qw, w_scale, residual=None, split: int | None 
     from engine.kernels.stream_triton import launch, stream_config
     m, k = qx.shape
     n = qw.shape[0]
-    if m > SMALL_M or n % 16 or k % 64:
-        raise ValueError(f"small-M kernel takes M <= {SMALL_M}, N % 16 == 0, K % 64 == 0; "
-                         f"got M={m}, N={n}, K={k}")
+    if m > SMALL_M or k % 64:
+        raise ValueError(f"small-M kernel takes M <= {SMALL_M} and K % 64 == 0; got M={m}, K={k}")
     num_sms = sm_count_or_default(qx.device)
     cfg = dict(config or stream_config(n, k, num_sms, weight_bytes=1))
     cfg["SPLIT_K"] = split or cfg["SPLIT_K"]
