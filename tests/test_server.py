@@ -28,12 +28,14 @@ GREEDY = {"temperature": 0.0, "max_tokens": 12}
 
 @pytest.fixture(scope="module")
 def servers():
-    main, keyed = Server(), Server("--api-key", API_KEY, "--shutdown-timeout", "3")
+    # The third is test_sigterm_drains_and_exits_zero's own: it ends that server, so no other test
+    # may depend on it (they load at once, so it costs no extra wait).
+    started = (Server(), Server("--api-key", API_KEY), Server("--api-key", API_KEY, "--shutdown-timeout", "3"))
     try:
-        yield main, keyed
+        yield started
     finally:
-        main.stop()
-        keyed.stop()
+        for s in started:
+            s.stop()
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +55,11 @@ def server(servers, reference):
 @pytest.fixture(scope="module")
 def keyed_server(servers, reference):
     return servers[1]
+
+
+@pytest.fixture(scope="module")
+def draining_server(servers, reference):
+    return servers[2]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -548,14 +555,14 @@ def test_api_key(keyed_server):
     assert out.usage.completion_tokens >= 1
 
 
-def test_sigterm_drains_and_exits_zero(keyed_server):
+def test_sigterm_drains_and_exits_zero(draining_server):
     """SIGTERM with a stream in flight: new requests get 503, the stream ends cleanly (finished, or
     aborted with an error event once --shutdown-timeout=3s passes), and the process exits 0."""
     auth = {"Authorization": f"Bearer {API_KEY}"}
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0,
             "ignore_eos": True, "stream": True}
     events = []
-    with httpx.Client(base_url=keyed_server.url, headers=auth, timeout=60) as http, \
+    with httpx.Client(base_url=draining_server.url, headers=auth, timeout=60) as http, \
             http.stream("POST", "/v1/completions", json=body) as r:
         lines = r.iter_lines()
         for line in lines:
@@ -563,9 +570,9 @@ def test_sigterm_drains_and_exits_zero(keyed_server):
                 events.append(line[6:])
                 break
         signaled = time.monotonic()
-        keyed_server.proc.send_signal(signal.SIGTERM)
+        draining_server.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
-        refused = httpx.post(keyed_server.url + "/v1/completions", headers=auth, timeout=10,
+        refused = httpx.post(draining_server.url + "/v1/completions", headers=auth, timeout=10,
                              json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
         events += [line[6:] for line in lines if line.startswith("data: ")]
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
@@ -573,5 +580,5 @@ def test_sigterm_drains_and_exits_zero(keyed_server):
     last = json.loads(events[-2])
     assert last.get("choices", [{}])[0].get("finish_reason") == "length" or \
         last.get("error", {}).get("code") == "server_shutting_down"
-    assert keyed_server.proc.wait(timeout=20) == 0
+    assert draining_server.proc.wait(timeout=20) == 0
     assert time.monotonic() - signaled < 3 + 10
