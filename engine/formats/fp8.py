@@ -91,7 +91,8 @@ def _cute(n_mult: int):
     return check
 
 
-TRITON_STREAM = Kernel("triton_stream", _triton_stream, max_m=SMALL_M, check=_multiple_of(1, 64))   # rows past N clamped
+# Any N: the streaming kernel clamps the rows of its last tile past N.
+TRITON_STREAM = Kernel("triton_stream", _triton_stream, max_m=SMALL_M, check=_multiple_of(1, 64))
 REFERENCE = Kernel("reference", fp8_linear_reference, reference=True)
 FP8_GEMM = {
     9: [TRITON_STREAM, Kernel("cute_wgmma_sm90", _cute_sm90, check=_cute(64)), REFERENCE],
