@@ -362,9 +362,9 @@ def test_sm90_reads_whole_tiles_of_padded_activations():
 def test_fp8_gemms_read_nothing_past_their_operands():
     """M ending inside a tile, with a residual: the sm90 kernel's 64- and 128-row tiles and the
     streaming kernel (split K; also with N ending inside a row tile) under memcheck, each tensor its
-    own allocation. A is read in whole
-    tiles where its storage holds them (activation_empty); the scales and the residual hold M rows
-    only, so the epilogue must clamp its loads to M, not to A's tiles."""
+    own allocation. A is read in whole tiles where its storage holds them (activation_empty); the
+    scales and the residual hold M rows only, so the epilogue must clamp its loads to M, not to
+    A's tiles."""
     run_under_memcheck("""
         import torch
         from engine.formats import fp8
