@@ -39,7 +39,7 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 from benchmarks.timing import time_graph  # noqa: E402
 from engine.formats import fp8  # noqa: E402
 from engine.kernels import fp8_triton  # noqa: E402
-from engine.kernels.platform import capability  # noqa: E402
+from engine.kernels.platform import capability, sm_count  # noqa: E402
 from engine.kernels.select import Problem, select  # noqa: E402
 from engine.kernels.stream_triton import stream_config  # noqa: E402
 
@@ -145,7 +145,6 @@ def accuracy_table(rowwise, promotes=()):
 
 def tile_sweep():
     from engine.kernels.cute.fp8_gemm_sm90 import PRECISE_TILES, TILES, choose_tile, fp8_gemm_sm90
-    from engine.kernels.platform import sm_count
     print("\nsm90 tile sweep (TFLOP/s per tile; '-' = tile not available in that mode), with cuBLAS fp8 in the "
           "same accumulation mode timed at the same moment")
     print("| N x K | M | accumulation | " + " | ".join(f"{a}x{b}" for a, b in TILES) + " | chosen | cuBLAS |")
@@ -178,7 +177,6 @@ def alternating_passes(ms, passes, swizzles, promotes):
     the same pass is kept."""
     from engine.kernels.cute.fp8_gemm_sm90 import (TILE_K, choose_promote_every, choose_swizzle, choose_tile,
                                                    fp8_gemm_sm90)
-    from engine.kernels.platform import sm_count
     print(f"\nours vs cuBLAS fp8 (default accumulation), {passes} alternating passes; ratio = cuBLAS time / "
           "ours (>1 = ours faster), median and min over the passes")
     print("| N x K | M | tile | variant | ours TFLOP/s median (min-max) | cuBLAS TFLOP/s median (min-max) "
@@ -296,7 +294,7 @@ def main():
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in small:
             n, k, m = r["n"], r["k"], r["m"]
-            cfg = stream_config(n, k, torch.cuda.get_device_properties(0).multi_processor_count, weight_bytes=1)
+            cfg = stream_config(n, k, sm_count(torch.device("cuda")), weight_bytes=1)
             fp8_bytes = n * k + m * k + 4 * (m + n) + 2 * m * n
             bf16_bytes = 2 * n * k + 2 * m * k + 2 * m * n
             cells = []

@@ -119,12 +119,14 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, swigl
     """One launch of the kernel on checked operands: x [M, K] (unit stride along K), w [N, K]
     contiguous (2N rows with swiglu), out [M, N] with unit stride along N; e4m3 x and w come with
     their fp32 scales; residual [M, N] with out's strides. cfg: BLOCK_N, BLOCK_K, SPLIT_K,
-    num_stages, num_warps."""
+    num_stages, num_warps; its K split is checked here, for both entry points."""
     m, k = x.shape
     n = out.shape[1]
+    split = cfg["SPLIT_K"]
+    if k % (split * cfg["BLOCK_K"]):
+        raise ValueError(f"config: K={k} is not a multiple of SPLIT_K={split} x BLOCK_K={cfg['BLOCK_K']}")
     if m == 0:
         return out
-    split = cfg["SPLIT_K"]
     tiles = triton.cdiv(n, cfg["BLOCK_N"])
     acc, count = split_k_buffers(x.device, 2 * m * n, tiles) if split > 1 else (out, out)
     e4m3 = x_scale is not None
@@ -201,9 +203,6 @@ def stream_matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
     if swiglu and w.shape[0] % 2:
         raise ValueError(f"w: a fused gate/up weight has an even row count, got {w.shape[0]}")
     cfg = as_config(config or stream_config(n, k, sm_count_or_default(x.device), swiglu=swiglu))
-    split = cfg["SPLIT_K"]
-    if k % (split * cfg["BLOCK_K"]):
-        raise ValueError(f"config: K={k} is not a multiple of SPLIT_K={split} x BLOCK_K={cfg['BLOCK_K']}")
     if out is None:
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     return launch(x, w, out, cfg, swiglu)
