@@ -746,6 +746,10 @@ def main(argv=None):
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        # What is measured so far stays on disk: a run cut short by a crash or a time limit keeps it.
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump(results, f, indent=2, default=str)
     results["gemm_points"] = shared.get("points", [])
     md = write_outputs(results, args)
     print(md)

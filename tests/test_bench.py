@@ -47,6 +47,28 @@ def test_bench_quick_runs_every_configuration(tmp_path, monkeypatch, capsys):
     assert "useful of" in (out / "results.md").read_text()
 
 
+def test_bench_keeps_what_it_measured_when_cut_short(tmp_path, monkeypatch):
+    """A run stopped part way (a crash, a time limit) leaves its finished configurations in
+    results.json."""
+    import bench
+    from engine.memory import allocator
+    real = bench.bench_config
+
+    def stopped_after_dense(name, *a, **k):
+        if name != "dense":
+            raise KeyboardInterrupt        # not an error bench.py records: the run ends here
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(bench, "bench_config", stopped_after_dense)
+    monkeypatch.setenv(allocator.ENV, os.environ.get(allocator.ENV, ""))
+    monkeypatch.setattr(allocator, "_release", allocator._release)
+    out = tmp_path / "bench"
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--quick", "--no-hf", "--no-quality", "--configs", "dense,fp8", "--out", str(out)])
+    rows = json.loads((out / "results.json").read_text())["configs"]
+    assert [r["config"] for r in rows] == ["dense"] and rows[0]["decode_b1_tok_s"] > 0
+
+
 def test_bench_engine_wide_options(monkeypatch, capsys):
     import torch
 
