@@ -22,6 +22,8 @@ what; weights are loaded through `load_weight`, which takes the rank's part of e
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -88,6 +90,29 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(x)
 
 
+class NormedRows(NamedTuple):
+    """RMSNorm(h) * g handed off between two GEMMs (engine/kernels/stream_triton.py): xg = h * g
+    and the partial sums of squares of h's rows; the GEMM that takes them applies 1 / rms itself."""
+    xg: torch.Tensor
+    parts: torch.Tensor
+    eps: float
+
+    @staticmethod
+    def after(producer: Linear, x: torch.Tensor, residual: torch.Tensor, norm: "RMSNorm") -> "NormedRows":
+        """residual += producer(x) in place, and RMSNorm(residual) * norm.weight handed off."""
+        return NormedRows(*producer.backend.norm_out_forward(x, residual, norm.weight), norm.eps)
+
+    def project(self, consumer: Linear, swiglu: bool = False) -> torch.Tensor:
+        return consumer.backend.row_scaled_forward(self.xg, self.parts, self.eps, swiglu)
+
+
+def norm_handoff(producer: Linear, consumer: Linear, norm: "RMSNorm", residual, m: int, swiglu: bool) -> bool:
+    """Whether the RMSNorm between producer and consumer hands off (no norm kernel): both GEMMs run
+    the streaming kernel at M rows, on one GPU, with the fused kernels on."""
+    return (norm.fused and producer.tp is None and residual is not None and residual.is_contiguous()
+            and producer.backend.norm_handoff(m) and consumer.backend.norm_handoff(m, swiglu))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size, eps, device=None, dtype=None):
         super().__init__()
@@ -130,13 +155,13 @@ class LlamaAttention(nn.Module):
         return batch.kv_cache.layer(self.layer_idx) if batch.kv_cache is not None else (None, None, None)
 
     def project(self, h, positions, batch, inv_freq, out=None):
-        """The attention's inputs from the normed rows h [T, hidden]: (q, k, v, new_kv), q [T, heads,
-        hd] and k, v [T, kv heads, hd], with this step's K/V stored in the paged cache. The prefill
-        rows are rotated here; so are the decode rows, unless the fused decode attention kernel
-        rotates and stores them itself, in which case new_kv = (their k, v, inv_freq) for it, else
-        None. out [T, q + 2 kv columns]: the rotated q, k and v go there (the step graphs' static
-        buffer), every row rotated here."""
-        q, k, v = self.split_qkv(self.qkv_proj(h))
+        """The attention's inputs from the normed rows h [T, hidden] (or a `NormedRows`): (q, k, v,
+        new_kv), q [T, heads, hd] and k, v [T, kv heads, hd], with this step's K/V stored in the
+        paged cache. The prefill rows are rotated here; so are the decode rows, unless the fused
+        decode attention kernel rotates and stores them itself, in which case new_kv = (their k, v,
+        inv_freq) for it, else None. out [T, q + 2 kv columns]: the rotated q, k and v go there (the
+        step graphs' static buffer), every row rotated here."""
+        q, k, v = self.split_qkv(h.project(self.qkv_proj) if isinstance(h, NormedRows) else self.qkv_proj(h))
         k_cache, v_cache, kv_scales = self.kv_cache(batch)
         if out is None and batch.num_decodes and k_cache is not None and self.fused and triton_runs(q):
             # The decode rows are rotated, and their K/V stored, by the decode attention kernel
@@ -206,12 +231,19 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * f, device, dtype, shards and shards["gate_up"], tp)
         self.down_proj = Linear(f, cfg.hidden_size, device, dtype, shards and shards["down"], tp)
 
-    def forward(self, x):
-        # With an FP8 down_proj the SwiGLU product leaves the kernel as e4m3: it is never stored in
-        # bf16. A 2:4 gate_up at decode computes it in the GEMM's epilogue (Linear.swiglu).
+    def activation(self, x):
+        """silu(gate) * up of the normed rows x. With an FP8 down_proj the SwiGLU product leaves the
+        kernel as e4m3: it is never stored in bf16. A dense or 2:4 gate_up at decode computes it in
+        the GEMM's epilogue (Linear.swiglu)."""
         m = (x[0] if isinstance(x, tuple) else x).shape[0]   # x: bf16 rows, or (e4m3, scale)
-        y = self.down_proj(self.gate_up_proj.swiglu(x, self.down_proj.input_quant(m)))
+        return self.gate_up_proj.swiglu(x, self.down_proj.input_quant(m))
+
+    def down(self, act):
+        y = self.down_proj(act)
         return y if self.tp is None else self.tp.all_reduce(y)
+
+    def forward(self, x):
+        return self.down(self.activation(x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -221,31 +253,51 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, layer_idx, device, dtype, tp, shards)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
         self.mlp = LlamaMLP(cfg, device, dtype, tp, shards)
+        self.streamed = False   # set by engine/streams/offload.py for a layer it streams
 
     # The residual add is fused into the norm that follows it, and with FP8 GEMMs after them the
-    # norms write their output already quantised (1 byte per element, never a bf16 copy).
+    # norms write their output already quantised (1 byte per element, never a bf16 copy). Where the
+    # GEMMs on both sides of a norm run the streaming kernel (dense decode), the norm hands off
+    # instead (`NormedRows`): the GEMM before it adds the residual, the one after applies 1 / rms.
 
     def attention_inputs(self, x, residual, positions, batch, inv_freq, qkv_out=None, residual_out=None):
-        """The input norm and `LlamaAttention.project`: (q, k, v, new_kv, residual). qkv_out and
-        residual_out: where the attention's inputs and the residual stream go (the step graphs'
-        static buffers)."""
-        quant = self.self_attn.qkv_proj.input_quant(x.shape[0])
-        if residual is None:
+        """The input norm and `LlamaAttention.project`: (q, k, v, new_kv, residual). x: the layer's
+        input, or `NormedRows` of the residual (the previous layer's down_proj handed this norm
+        off). qkv_out and residual_out: where the attention's inputs and the residual stream go
+        (the step graphs' static buffers)."""
+        if isinstance(x, NormedRows):
+            h = x
+            if residual_out is not None and residual_out.data_ptr() != residual.data_ptr():
+                residual = residual_out.copy_(residual)
+        elif residual is None:
             residual = x if residual_out is None else residual_out.copy_(x)
-            h = self.input_layernorm(x, quant=quant)
+            h = self.input_layernorm(x, quant=self.self_attn.qkv_proj.input_quant(x.shape[0]))
         else:
-            h, residual = self.input_layernorm(x, residual, quant, residual_out=residual_out)
+            h, residual = self.input_layernorm(x, residual, self.self_attn.qkv_proj.input_quant(x.shape[0]),
+                                               residual_out=residual_out)
         return (*self.self_attn.project(h, positions, batch, inv_freq, qkv_out), residual)
 
-    def after_attention(self, o, residual):
-        """o_proj, the post-attention norm and the MLP: (the MLP's output, residual)."""
-        h, residual = self.post_attention_layernorm(self.self_attn.output(o), residual,
-                                                    self.mlp.gate_up_proj.input_quant(o.shape[0]))
-        return self.mlp(h), residual
+    def after_attention(self, o, residual, next_layer=None):
+        """o_proj, the post-attention norm and the MLP: (the MLP's output, residual). With
+        next_layer, the output may be `NormedRows` (next_layer's input norm handed off); residual
+        may then be updated in place."""
+        attn, mlp = self.self_attn, self.mlp
+        m = o.shape[0]
+        o = o.reshape(m, attn.q_size)
+        if norm_handoff(attn.o_proj, mlp.gate_up_proj, self.post_attention_layernorm, residual, m, swiglu=True):
+            act = NormedRows.after(attn.o_proj, o, residual, self.post_attention_layernorm).project(
+                mlp.gate_up_proj, swiglu=True)
+        else:
+            h, residual = self.post_attention_layernorm(attn.output(o), residual, mlp.gate_up_proj.input_quant(m))
+            act = mlp.activation(h)
+        if next_layer is not None and norm_handoff(mlp.down_proj, next_layer.self_attn.qkv_proj,
+                                                   next_layer.input_layernorm, residual, m, swiglu=False):
+            return NormedRows.after(mlp.down_proj, act, residual, next_layer.input_layernorm), residual
+        return mlp.down(act), residual
 
-    def forward(self, x, residual, positions, batch, inv_freq):
+    def forward(self, x, residual, positions, batch, inv_freq, next_layer=None):
         q, k, v, new_kv, residual = self.attention_inputs(x, residual, positions, batch, inv_freq)
-        return self.after_attention(self.self_attn.attend(q, k, v, batch, new_kv), residual)
+        return self.after_attention(self.self_attn.attend(q, k, v, batch, new_kv), residual, next_layer)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -271,8 +323,10 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] packed tokens. Returns the final-norm hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, positions, batch, self.inv_freq)
+        for i, layer in enumerate(self.layers):
+            nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
+            x, residual = layer(x, residual, positions, batch, self.inv_freq,
+                                None if nxt is None or nxt.streamed else nxt)
         x, _ = self.norm(x, residual)
         return x
 

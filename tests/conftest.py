@@ -36,6 +36,34 @@ def poisoned(monkeypatch):
     monkeypatch.setattr(torch, "empty", empty)
 
 
+@pytest.fixture
+def norm_handoff_on_cpu(monkeypatch):
+    """Dense weights hand RMSNorms off on the CPU too (models/llama.py `NormedRows`), the hand-off's
+    two GEMMs stood in for by their float references (engine/kernels/stream_triton.py): the model's
+    side of the hand-off, testable without Hopper. Yields the norms handed off, in order."""
+    import models.llama
+    from engine.formats.dense import DenseWeight
+    from engine.kernels import stream_triton
+    handed = []
+    real_after = models.llama.NormedRows.after
+
+    def after(producer, x, residual, norm):
+        handed.append(norm)
+        return real_after(producer, x, residual, norm)
+
+    def norm_out(self, x, residual, g):
+        h, xg, parts = stream_triton.norm_out_ref(x, self.weight, residual, g)
+        residual.copy_(h)
+        return xg, parts
+
+    monkeypatch.setattr(models.llama.NormedRows, "after", staticmethod(after))
+    monkeypatch.setattr(DenseWeight, "norm_handoff", lambda self, m, swiglu=False: True)
+    monkeypatch.setattr(DenseWeight, "norm_out_forward", norm_out)
+    monkeypatch.setattr(DenseWeight, "row_scaled_forward", lambda self, xg, parts, eps, swiglu=False:
+                        stream_triton.stream_matmul_ref(xg, self.weight, swiglu, (parts, eps)))
+    yield handed
+
+
 @pytest.fixture(scope="session", autouse=True)
 def gguf_read_once():
     """Every engine of the session that loads a GGUF file (`LLM("llama", ...)` with any options)

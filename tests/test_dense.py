@@ -77,6 +77,43 @@ def test_stream_matmul_fp16_strided_rows_and_its_default_config():
     check(x, w, False)
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("config", [(64, 128, 2, 2), (128, 64, 1, 2)])
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_norm_handoff_against_float64(m, config, swiglu):
+    """The GEMM before an RMSNorm (N = 320: 64-row groups in 64- and 128-row tiles, the last tile
+    half past N; split K or not) and the one after it (K = 320: five groups of parts, padded to
+    eight; with and without SwiGLU). Each output against float64 from the kernel's own inputs; then
+    the pair against RMSNorm(h) * g @ W^T computed in float64."""
+    torch.manual_seed(m + 7 * config[0] + swiglu)
+    n, k, eps = 320, 512, 1e-5
+    x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+    w = (torch.randn(n, k, device=DEVICE) / k ** 0.5).to(torch.bfloat16)
+    residual = torch.randn(m, n, device=DEVICE, dtype=torch.bfloat16)
+    g = (1 + 0.2 * torch.randn(n, device=DEVICE)).to(torch.bfloat16)
+    h = residual.clone()
+    xg = torch.full_like(residual, float("nan"))
+    parts = stream_triton.norm_parts(n, x.device).fill_(float("nan"))
+    stream_triton.stream_matmul_norm_out(x, w, h, g, xg, parts, config)
+    h_ref, _, parts_ref = stream_triton.norm_out_ref(x.double(), w.double(), residual.double(), g.double())
+    assert rel_err(h, h_ref) < TOL[torch.bfloat16]
+    assert rel_err(xg, h.double() * g.double()) < TOL[torch.bfloat16]          # one rounding of h * g
+    squares = torch.zeros(16, 384, dtype=torch.float64, device=DEVICE)
+    squares[:m, :n] = h.double() ** 2
+    assert parts_ref.shape == parts.shape == (5, 16)
+    assert rel_err(parts, squares.view(16, 6, 64).sum(-1).t()[:5]) < 1e-6  # fp32 sums of the stored rows
+
+    w2 = (torch.randn(2 * 192 if swiglu else 192, n, device=DEVICE) / n ** 0.5).to(torch.bfloat16)
+    y = stream_triton.stream_matmul_row_scaled(xg, w2, parts, eps, (64, 64, 1, 2), swiglu)
+    assert not y.isnan().any()
+    assert rel_err(y, stream_triton.stream_matmul_ref(xg.double(), w2.double(), swiglu, (parts.double(), eps))) \
+        < TOL[torch.bfloat16]
+    hd = h.double()
+    normed = hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + eps) * g.double()
+    assert rel_err(y, reference(normed, w2, swiglu)) < 3 * TOL[torch.bfloat16]   # xg's rounding and y's
+
+
 def test_stream_matmul_refuses_what_it_cannot_take():
     w = torch.zeros(64, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="up to 16 rows"):
@@ -92,6 +129,13 @@ def test_stream_matmul_refuses_what_it_cannot_take():
         stream_triton.stream_matmul(torch.zeros(1, 128, dtype=torch.bfloat16), w, config=(64, 128, 2, 2))
     with pytest.raises(ValueError, match="even row count"):
         stream_triton.stream_matmul(torch.zeros(1, 128, dtype=torch.bfloat16), w[:63], swiglu=True)
+    x, res, g = torch.zeros(2, 128, dtype=torch.bfloat16), torch.zeros(2, 64, dtype=torch.bfloat16), torch.ones(64)
+    with pytest.raises(ValueError, match="residual"):
+        stream_triton.stream_matmul_norm_out(x, w, res[:1], g, res.clone(), torch.zeros(1, 16))
+    with pytest.raises(ValueError, match="parts"):
+        stream_triton.stream_matmul_norm_out(x, w, res, g, res.clone(), torch.zeros(2, 16))
+    with pytest.raises(ValueError, match="parts"):     # K = 128: two groups of 64
+        stream_triton.stream_matmul_row_scaled(x, w, torch.zeros(1, 16), 1e-5)
 
 
 def test_launch_rule_at_llama_shapes():
@@ -119,22 +163,27 @@ def test_launch_rule_at_llama_shapes():
 
 
 @pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") == "1", reason="compiles, not interprets")
-@pytest.mark.parametrize("kind", ["bf16", "bf16 SwiGLU", "e4m3 + residual"])
+@pytest.mark.parametrize("kind", ["bf16", "bf16 SwiGLU", "e4m3 + residual", "bf16 norm hand-off"])
 def test_compiles_for_sm90_to_wgmma_fed_by_cp_async(kind):
     """The PTX for Hopper: the weight tile feeds a WGMMA (bf16 m64n16k16, or e4m3 m64n16k32 on the
     bytes as stored) from shared memory, filled by cp.async in a multi-stage pipeline; the SwiGLU
-    variant runs two per K step; the split's partial sums leave by atomics."""
+    variant runs two per K step; the split's partial sums leave by atomics. The norm hand-off's
+    epilogues (both in one binary here) leave the weight loop as it is."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     kernel = stream_triton._stream_kernel
     names = kernel.arg_names
     e4m3 = kind.startswith("e4m3")
     value = "*fp8e4nv" if e4m3 else "*bf16"
+    handoff = kind == "bf16 norm hand-off"
     types = {"x_ptr": value, "w_ptr": value, "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "res_ptr": "*bf16",
-             "out_ptr": "*bf16", "acc_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32",
+             "out_ptr": "*bf16", "acc_ptr": "*fp32", "count_ptr": "*i32", "g_ptr": "*bf16", "xg_ptr": "*bf16",
+             "part_ptr": "*fp32", "part_in_ptr": "*fp32", "eps": "fp32", "M": "i32", "N": "i32",
              "stride_xm": "i32", "stride_om": "i32"}
     constexprs = {"K": 4096, "SPLIT_K": 2, "BLOCK_N": 64, "BLOCK_K": 256 if e4m3 else 128,
-                  "SWIGLU": kind.endswith("SwiGLU"), "E4M3": e4m3, "HAS_RESIDUAL": e4m3, "NATIVE": True}
+                  "SWIGLU": kind.endswith("SwiGLU"), "E4M3": e4m3, "HAS_RESIDUAL": e4m3 or handoff,
+                  "NORM_OUT": handoff, "ROW_SCALE": handoff, "PARTS": 64 if handoff else 1, "NATIVE": True}
+    assert set(types) | set(constexprs) == set(names)
     signature = {n: types.get(n, "constexpr") for n in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr")}
     src = ASTSource(kernel, signature, {(names.index(n),): v for n, v in constexprs.items()}, aligned)

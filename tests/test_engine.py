@@ -551,6 +551,37 @@ def test_engine_reads_each_steps_tokens_after_queuing_the_next():
 
 
 @pytest.mark.gpu
+def test_gpu_norm_handoff_gives_the_norm_kernels_tokens(monkeypatch):
+    """Dense bf16 decode on Hopper hands each RMSNorm between two streaming GEMMs off
+    (models/llama.py `NormedRows`): against the same engine with every norm on the norm kernel,
+    the greedy tokens of four prompts decoding together in CUDA graphs agree up to near-ties, and
+    the logits of a 9-token prompt (its prefill takes the hand-off too) differ by bf16 rounding.
+    Tuning off, so that both engines run the streaming kernel's rule at every M up to 16."""
+    from engine.formats.dense import DenseWeight
+    from engine.kernels import stream_triton
+    torch.manual_seed(0)
+    prompts = [torch.randint(10, 1000, (n,)).tolist() for n in (9, 30, 64, 100)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    handoffs = []
+    real = stream_triton.stream_matmul_norm_out
+    monkeypatch.setattr(stream_triton, "stream_matmul_norm_out", lambda *a, **k: handoffs.append(1) or real(*a, **k))
+    results = {}
+    for handoff in (True, False):
+        if not handoff:
+            monkeypatch.setattr(DenseWeight, "norm_handoff", lambda self, m, swiglu=False: False)
+        llm = LLM("llama-tiny", device="cuda", dtype="bf16", tune="off", kv_cache_tokens=4096, seed=3)
+        try:
+            results[handoff] = (llm.logits(prompts[0]), llm.generate(prompts, params))
+        finally:
+            llm.shutdown(timeout=1)
+        if handoff:
+            assert handoffs, "no norm was handed off"
+    (logits, outs), (ref_logits, ref_outs) = results[True], results[False]
+    assert ((logits - ref_logits).norm() / ref_logits.norm()).item() < 2e-2
+    assert_same_greedy(outs, ref_outs, tol=0.05)   # random weights in bf16: ties are loose
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("weights,prompt_len,bound", [("fp8", 40, 0.06), ("nvfp4", 40, 0.03), ("nvfp4", 200, 0.06)])
 def test_gpu_quantised_model_paths_match_their_reference(weights, prompt_len, bound, monkeypatch):
     """The whole model with FP8 / NVFP4 weights on the GPU kernels (fused norms quantising the

@@ -132,3 +132,29 @@ def test_presets_build_with_random_weights():
     w = loaded.model.layers[0].mlp.gate_up_proj.weight
     assert w.dtype == torch.bfloat16 and w.shape == (2 * 704, 256)
     assert 0.015 < w.float().std().item() < 0.025
+
+
+def test_norm_handoff_matches_the_norm_kernels(llm, monkeypatch, request):
+    """Where the GEMMs on both sides of an RMSNorm run the streaming kernel (dense decode on Hopper),
+    the norm is handed off between them (models/llama.py `NormedRows`). With the hand-off's GEMMs
+    stood in for by their references (conftest `norm_handoff_on_cpu`), this checks the model's side:
+    every norm but the first layer's input norm and the final one hands off, the residual stream
+    carries across layers in place, and logits and greedy tokens match the norm kernels' path."""
+    import models.llama
+    ids = llm.encode_prompt(PROMPTS[1])
+    want_logits = llm.logits(ids)
+    want = _greedy_top2(llm, ids, 12)
+    calls = []
+    real_norm = models.llama.rms_norm
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real_norm(*args, **kwargs)
+
+    monkeypatch.setattr(models.llama, "rms_norm", counted)
+    handed = request.getfixturevalue("norm_handoff_on_cpu")
+    got_logits = llm.logits(ids)
+    assert len(calls) == 2 and len(handed) == 2 * 30 - 1   # of 61 norms, all but layer 0's input and the final
+    assert (got_logits - want_logits).abs().max().item() < 1e-3
+    got = _greedy_top2(llm, ids, 12)
+    parting(got.token_ids, want.token_ids, [lp.top for lp in want.logprobs], tol=2e-3)

@@ -270,6 +270,30 @@ def test_streamed_layers_match_resident_with_every_weight_format():
     assert copies == 2 + 3 * len(plan.offloaded_layers)
 
 
+def test_no_norm_is_handed_into_a_streamed_layer(request):
+    """The RMSNorm hand-off across layers reads the next layer's norm weight while the layer before
+    runs; a streamed layer's weights exist on the device only while it runs itself, so its input
+    norm runs in it (models/llama.py). The other norms still hand off, and the output is the
+    resident model's."""
+    model = _tiny_model(["bf16"] * 6)
+    batch = build_prefill_only([torch.randint(0, 1000, (n,)).tolist() for n in (5, 9)], torch.device("cpu"))
+    ref = model(batch.input_ids, batch.positions, batch)      # every norm a kernel
+    handed = request.getfixturevalue("norm_handoff_on_cpu")
+    resident = model(batch.input_ids, batch.positions, batch)
+    assert len(handed) == 2 * 6 - 1 and rel_err(resident, ref) < 1e-5
+    sizes = [layer_stream_bytes(layer) for layer in model.layers]
+    streamed = [1, 2, 4]
+    plan = OffloadPlan([0, 3, 5], streamed, 2 * max(sizes[i] for i in streamed))
+    LayerStreamer(model.layers, plan, FakeStreams())
+    handed.clear()
+    out = model(batch.input_ids, batch.positions, batch)
+    inputs = {id(model.layers[i].input_layernorm): i for i in range(6)}
+    into = sorted(inputs[id(n)] for n in handed if id(n) in inputs)
+    assert into == [3, 5]               # the input norms of the resident layers after layer 0
+    assert len(handed) - len(into) == 6   # every post-attention norm
+    assert rel_err(out, ref) < 1e-5
+
+
 def test_streamer_without_prefetch_serialises_copy_and_compute():
     model = _tiny_model(["bf16", "fp8", "bf16", "bf16", "nvfp4"])
     batch = build_prefill_only([torch.randint(0, 1000, (n,)).tolist() for n in (5, 9)],

@@ -64,6 +64,23 @@ class WeightFormat(nn.Module):
         GEMM itself, or None where no kernel of this format does (the SwiGLU kernel runs after)."""
         return None
 
+    def norm_handoff(self, m: int, swiglu: bool = False) -> bool:
+        """Whether this weight's GEMM at M activation rows takes part in the RMSNorm hand-off
+        (engine/kernels/stream_triton.py): as the GEMM before a norm (`norm_out_forward`) and as the
+        one after it (`row_scaled_forward`, swiglu: a fused gate/up projection's SwiGLU epilogue).
+        Default: no; the norm kernel runs between them."""
+        return False
+
+    def norm_out_forward(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor):
+        """residual += x @ W^T in place; returns (xg = residual * norm_weight, the partial sums of
+        squares of residual's rows) for the next GEMM's `row_scaled_forward`."""
+        raise NotImplementedError
+
+    def row_scaled_forward(self, xg: torch.Tensor, parts: torch.Tensor, eps: float,
+                           swiglu: bool = False) -> torch.Tensor:
+        """RMSNorm(h) * g @ W^T from `norm_out_forward`'s (xg, parts) of h (swiglu: silu(gate) * up)."""
+        raise NotImplementedError
+
     def tune(self, tuner, m_values: list[int], swiglu: bool = False) -> None:
         """Time this weight's candidate kernels for each M (engine start; swiglu: a fused gate/up
         projection, whose SwiGLU epilogue is tuned too); default: nothing to tune."""

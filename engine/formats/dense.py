@@ -4,8 +4,9 @@ y = x @ W^T with W [N, K] as loaded, in the model dtype, fp32 accumulation.
 
 The dense GEMM, per architecture (engine/kernels/select.py):
 - sm_90: M <= 16 the Triton weight-streaming kernel (engine/kernels/stream_triton.py), which also
-  forms SwiGLU in its epilogue for a fused gate/up weight; larger M torch's GEMM (cuBLAS). The tuner
-  times the streaming kernel's configurations against cuBLAS at engine start, per M bucket.
+  forms SwiGLU in its epilogue for a fused gate/up weight, and takes the RMSNorm between two such
+  GEMMs out of its own launch (`norm_handoff`); larger M torch's GEMM (cuBLAS). The tuner times
+  the streaming kernel's configurations against cuBLAS at engine start, per M bucket.
 - anything else (the CPU, other GPUs): torch's GEMM.
 """
 from __future__ import annotations
@@ -87,6 +88,30 @@ class DenseWeight(WeightFormat):
             return None
         choice = select(DENSE_SWIGLU, self._problem("dense_swiglu", x.shape[0], x.dtype), self.tuned.get("dense_swiglu"))
         return None if choice.kernel.run is None else choice.kernel.run(x, self.weight, config=choice.config)
+
+    def _streaming(self, m: int, swiglu: bool):
+        """The streaming kernel's choice at M rows where it is the one selected, else None."""
+        if torch.compiler.is_compiling() or not 0 < m <= MAX_M:
+            return None
+        op, table = ("dense_swiglu", DENSE_SWIGLU) if swiglu else ("dense_gemm", DENSE_GEMM)
+        choice = select(table, self._problem(op, m, self.weight.dtype), self.tuned.get(op))
+        return choice if choice.kernel.name in ("triton_stream", "triton_stream_swiglu") else None
+
+    def norm_handoff(self, m: int, swiglu: bool = False) -> bool:
+        return self._streaming(m, swiglu) is not None
+
+    def norm_out_forward(self, x, residual, norm_weight):
+        from engine.kernels.stream_triton import norm_parts, stream_matmul_norm_out
+        m = x.shape[0]
+        xg, parts = torch.empty_like(residual), norm_parts(self.out_features, x.device)
+        stream_matmul_norm_out(x if x.stride(-1) == 1 else x.contiguous(), self.weight, residual,
+                               norm_weight, xg, parts, self._streaming(m, False).config)
+        return xg, parts
+
+    def row_scaled_forward(self, xg, parts, eps, swiglu=False):
+        from engine.kernels.stream_triton import stream_matmul_row_scaled
+        return stream_matmul_row_scaled(xg, self.weight, parts, eps, self._streaming(xg.shape[0], swiglu).config,
+                                        swiglu)
 
     def tune(self, tuner, m_values: list[int], swiglu: bool = False) -> None:
         """Time the streaming kernel's configurations against cuBLAS for each M up to 16. For a fused

@@ -10,6 +10,19 @@ configuration's SPLIT_K x BLOCK_K. `stream_config` is the launch rule for both w
 bytes per weight), `stream_configs` what the dense tuner times around it (engine/formats/dense.py
 lists the kernel against cuBLAS).
 
+The RMSNorm hand-off, which takes the norm between two decode GEMMs out of its own launch (16-bit
+weights; models/llama.py uses it where both GEMMs run this kernel):
+- `stream_matmul_norm_out(x, w, residual, g, xg, parts)`, the GEMM before the norm (o_proj, down):
+  residual += x @ w^T in place, xg = residual * g (the norm's weight), and per 64 output columns
+  each token's sum of squares of the new residual (`parts`, [N / 64, 16] fp32: no atomics, no
+  zeroing, the same sums every run).
+- `stream_matmul_row_scaled(xg, w, parts, eps)`, the GEMM after it (q/k/v, gate/up with SwiGLU):
+  sums its parts into each token's mean square and scales the token's fp32 products by
+  rsqrt(mean + eps) before the epilogue. RMSNorm(h) * g @ w^T = (h * g @ w^T) / rms(h): nothing
+  is added to the weight loop (measured: any work on x there slows the stream more than a launch).
+Numerics against the norm kernel: the residual is rounded once (acc + residual) instead of twice,
+and 1 / rms multiplies the fp32 product instead of x before its bf16 rounding.
+
 `launch(...)`, the kernel itself for both weight kinds: engine/kernels/fp8_triton.py's
 `fp8_gemm_small_m` calls it with e4m3 x and w, their fp32 scales (y = acc * x_scale[m] *
 w_scale[n]) and an optional bf16 residual added in the epilogue, launched by the same rule for
@@ -62,21 +75,31 @@ def _dot(w, xt, acc, E4M3: tl.constexpr, NATIVE: tl.constexpr):
 
 @jit(do_not_specialize=["M"])   # one binary for every M up to 16
 def _stream_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, res_ptr, out_ptr, acc_ptr, count_ptr,
+                   g_ptr, xg_ptr, part_ptr, part_in_ptr, eps,
                    M, N, stride_xm, stride_om, K: tl.constexpr, SPLIT_K: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr,
-                   E4M3: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NATIVE: tl.constexpr):
+                   E4M3: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_OUT: tl.constexpr,
+                   ROW_SCALE: tl.constexpr, PARTS: tl.constexpr, NATIVE: tl.constexpr):
     """acc[BLOCK_N, 16] = W[rows, K slice] @ x[:, K slice]^T. SWIGLU: N is the output width F,
     the program also streams up rows F + rows, and the split-K scratch holds gate then up
     ([M, 2N]). E4M3: e4m3 operands, scaled in the epilogue by x_scale[m] * w_scale[n].
-    HAS_RESIDUAL: a residual [M, N] (out's row stride) added last. NATIVE: the GPU's dot on the
-    operands as stored, else widened first (the interpreter)."""
+    HAS_RESIDUAL: a residual [M, N] (out's row stride) added last. NORM_OUT (with the residual):
+    also x * g to xg_ptr and the 64-row groups' sums of squares to part_ptr [N / 64, 16]. ROW_SCALE:
+    each token's sums scaled by rsqrt(sum of part_in_ptr [K / 64, 16] / K + eps) first (PARTS: K / 64
+    rounded up to a power of two). NATIVE: the GPU's dot on the operands as stored, else widened
+    first (the interpreter)."""
     tl.static_assert(not (SWIGLU and (E4M3 or HAS_RESIDUAL)), "SwiGLU: 16-bit weights, no residual")
+    tl.static_assert(not NORM_OUT or (HAS_RESIDUAL and not E4M3), "the norm's hand-off: 16-bit, residual")
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     K_SPLIT: tl.constexpr = K // SPLIT_K
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, 16)
     ks = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
+    if ROW_SCALE:   # loaded before the weight loop: the kernel before this one wrote them
+        groups_in = tl.arange(0, PARTS)
+        parts = tl.load(part_in_ptr + groups_in[:, None] * 16 + cols[None, :],
+                        mask=(groups_in < K // 64)[:, None], other=0.0)
     w_ptrs = w_ptr + tl.minimum(rows, N - 1)[:, None].to(tl.int64) * K + ks[None, :]
     x_ptrs = x_ptr + cols[:, None] * stride_xm + ks[None, :]
     acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
@@ -106,19 +129,36 @@ def _stream_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, res_ptr, out_ptr, acc
         if E4M3:
             x_scale = tl.load(x_scale_ptr + cols, mask=cols < M, other=0.0)
             acc = acc * tl.load(w_scale_ptr + tl.minimum(rows, N - 1))[:, None] * x_scale[None, :]
+        if ROW_SCALE:
+            rstd = tl.rsqrt(tl.sum(parts, axis=0) / K + eps)
+            acc = acc * rstd[None, :]
+            if SWIGLU:
+                acc_up = acc_up * rstd[None, :]
         if SWIGLU:
             acc = acc * tl.sigmoid(acc) * acc_up
         if HAS_RESIDUAL:
             acc += tl.load(res_ptr + out_offs, mask=mask).to(tl.float32)
-        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        y = acc.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + out_offs, y, mask=mask)
+        if NORM_OUT:    # the norm of what was just stored, as the next GEMM's ROW_SCALE reads it
+            h = tl.where(mask, y.to(tl.float32), 0.0)
+            g = tl.load(g_ptr + tl.minimum(rows, N - 1)).to(tl.float32)
+            tl.store(xg_ptr + out_offs, (h * g[:, None]).to(xg_ptr.dtype.element_ty), mask=mask)
+            squares = tl.sum(tl.reshape(h * h, [BLOCK_N // 64, 64, 16]), axis=1)
+            groups = pid_n * (BLOCK_N // 64) + tl.arange(0, BLOCK_N // 64)
+            tl.store(part_ptr + groups[:, None] * 16 + cols[None, :], squares,
+                     mask=(groups < tl.cdiv(N, 64))[:, None])   # a 128-row tile may end past N's groups
 
 
 def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, swiglu: bool = False,
            x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
+           residual: torch.Tensor | None = None, norm_out: tuple | None = None,
+           row_scale: tuple | None = None) -> torch.Tensor:
     """One launch of the kernel on checked operands: x [M, K] (unit stride along K), w [N, K]
     contiguous (2N rows with swiglu), out [M, N] with unit stride along N; e4m3 x and w come with
-    their fp32 scales; residual [M, N] with out's strides. cfg: BLOCK_N, BLOCK_K, SPLIT_K,
+    their fp32 scales; residual [M, N] with out's strides (it may be out). norm_out = (g [N], xg
+    [M, N] with out's strides, partial sums [N / 64, 16] fp32) and row_scale = (partial sums
+    [K / 64, 16], eps): the RMSNorm hand-off (module docstring). cfg: BLOCK_N, BLOCK_K, SPLIT_K,
     num_stages, num_warps; its K split is checked here, for both entry points."""
     m, k = x.shape
     n = out.shape[1]
@@ -130,11 +170,15 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, swigl
     tiles = triton.cdiv(n, cfg["BLOCK_N"])
     acc, count = split_k_buffers(x.device, 2 * m * n, tiles) if split > 1 else (out, out)
     e4m3 = x_scale is not None
+    g, xg, part = norm_out if norm_out is not None else (out, out, out)
+    part_in, eps = row_scale if row_scale is not None else (out, 0.0)
     _stream_kernel[(tiles, split)](
         x, w, x_scale if e4m3 else out, w_scale if e4m3 else out, residual if residual is not None else out,
-        out, acc, count, m, n, x.stride(0), out.stride(0), K=k, SPLIT_K=split, BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"], SWIGLU=swiglu, E4M3=e4m3, HAS_RESIDUAL=residual is not None,
-        NATIVE=not interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        out, acc, count, g, xg, part, part_in, eps, m, n, x.stride(0), out.stride(0), K=k, SPLIT_K=split,
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SWIGLU=swiglu, E4M3=e4m3,
+        HAS_RESIDUAL=residual is not None, NORM_OUT=norm_out is not None, ROW_SCALE=row_scale is not None,
+        PARTS=triton.next_power_of_2(k // 64) if row_scale is not None else 1, NATIVE=not interpreting(),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
@@ -186,9 +230,8 @@ def as_config(cfg: tuple | dict) -> dict:
     return {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_stages": stages, "num_warps": 4}
 
 
-def stream_matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-                  config: tuple | dict | None = None, swiglu: bool = False) -> torch.Tensor:
-    """out[M, N] = x @ w^T (swiglu: out[M, N/2] = silu(gate) * up) for M <= 16 (module docstring)."""
+def _checked(x: torch.Tensor, w: torch.Tensor, config, swiglu: bool) -> tuple[int, dict]:
+    """(N, the launch) for operands the kernel takes; ValueError naming what it does not."""
     m, k = x.shape
     n = w.shape[0] // 2 if swiglu else w.shape[0]
     if m > MAX_M:
@@ -202,18 +245,75 @@ def stream_matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
         raise ValueError("x needs unit stride along K and w must be contiguous")
     if swiglu and w.shape[0] % 2:
         raise ValueError(f"w: a fused gate/up weight has an even row count, got {w.shape[0]}")
-    cfg = as_config(config or stream_config(n, k, sm_count_or_default(x.device), swiglu=swiglu))
+    return n, as_config(config or stream_config(n, k, sm_count_or_default(x.device), swiglu=swiglu))
+
+
+def stream_matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+                  config: tuple | dict | None = None, swiglu: bool = False) -> torch.Tensor:
+    """out[M, N] = x @ w^T (swiglu: out[M, N/2] = silu(gate) * up) for M <= 16 (module docstring)."""
+    n, cfg = _checked(x, w, config, swiglu)
     if out is None:
-        out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+        out = torch.empty(x.shape[0], n, device=x.device, dtype=x.dtype)
     return launch(x, w, out, cfg, swiglu)
 
 
-def stream_matmul_ref(x: torch.Tensor, w: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+def norm_parts(n: int, device: torch.device) -> torch.Tensor:
+    """The buffer a hand-off's partial sums of squares go to: [ceil(N / 64), 16] fp32."""
+    return torch.empty(triton.cdiv(n, 64), 16, device=device, dtype=torch.float32)
+
+
+def stream_matmul_norm_out(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, g: torch.Tensor,
+                           xg: torch.Tensor, parts: torch.Tensor, config: tuple | dict | None = None) -> None:
+    """The GEMM before an RMSNorm: residual += x @ w^T in place (rounded once), xg = residual * g,
+    and parts = the partial sums of squares of residual's rows that `stream_matmul_row_scaled`
+    takes. residual and xg [M, N] contiguous, g [N], parts from `norm_parts`."""
+    n, cfg = _checked(x, w, config, False)
+    m = x.shape[0]
+    for name, t in (("residual", residual), ("xg", xg)):
+        if t.shape != (m, n) or t.dtype != x.dtype or not t.is_contiguous():
+            raise ValueError(f"{name}: [{m}, {n}] {x.dtype} contiguous, got {tuple(t.shape)} {t.dtype}")
+    if g.shape != (n,) or parts.shape != (triton.cdiv(n, 64), 16) or parts.dtype != torch.float32:
+        raise ValueError(f"g [{n}] and parts [{triton.cdiv(n, 64)}, 16] fp32, got {tuple(g.shape)} and "
+                         f"{tuple(parts.shape)} {parts.dtype}")
+    launch(x, w, residual, cfg, residual=residual, norm_out=(g, xg, parts))
+
+
+def stream_matmul_row_scaled(x: torch.Tensor, w: torch.Tensor, parts: torch.Tensor, eps: float,
+                             config: tuple | dict | None = None, swiglu: bool = False) -> torch.Tensor:
+    """The GEMM after an RMSNorm handed off by `stream_matmul_norm_out`: x is its xg, and each
+    token's product is scaled by rsqrt(mean of its squares + eps) before the (SwiGLU) epilogue:
+    RMSNorm(h) * g @ w^T with the norm's 1 / rms applied to the fp32 sums."""
+    n, cfg = _checked(x, w, config, swiglu)
+    k = x.shape[1]
+    if parts.shape != (k // 64, 16) or parts.dtype != torch.float32:
+        raise ValueError(f"parts: [{k // 64}, 16] fp32 for K={k}, got {tuple(parts.shape)} {parts.dtype}")
+    out = torch.empty(x.shape[0], n, device=x.device, dtype=x.dtype)
+    return launch(x, w, out, cfg, swiglu, row_scale=(parts, float(eps)))
+
+
+def stream_matmul_ref(x: torch.Tensor, w: torch.Tensor, swiglu: bool = False,
+                      row_scale: tuple | None = None) -> torch.Tensor:
     """The reference: the product (and SwiGLU) in fp32, or in x's dtype where that is wider (float64
-    for the tests), rounded once to x's dtype."""
+    for the tests), rounded once to x's dtype. row_scale = (parts, eps): each row first scaled as
+    `stream_matmul_row_scaled` does."""
     wide = torch.promote_types(x.dtype, torch.float32)
     y = x.to(wide) @ w.to(wide).t()
+    if row_scale is not None:
+        parts, eps = row_scale
+        y = y * torch.rsqrt(parts.to(wide).sum(0)[:x.shape[0], None] / x.shape[1] + eps)
     if swiglu:
         gate, up = y.chunk(2, dim=-1)
         y = torch.nn.functional.silu(gate) * up
     return y.to(x.dtype)
+
+
+def norm_out_ref(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, g: torch.Tensor):
+    """The reference of `stream_matmul_norm_out`: (new residual, xg, parts), the product in fp32 (x's
+    dtype where wider), each output rounded once to residual's dtype; parts from the rounded rows."""
+    wide = torch.promote_types(x.dtype, torch.float32)
+    h = (x.to(wide) @ w.to(wide).t() + residual.to(wide)).to(residual.dtype)
+    xg = (h.to(wide) * g.to(wide)).to(residual.dtype)
+    m, n = h.shape
+    sq = torch.zeros(16, (n + 63) // 64 * 64, dtype=wide, device=h.device)
+    sq[:m, :n] = h.to(wide) ** 2
+    return h, xg, sq.view(16, -1, 64).sum(-1).t()

@@ -211,6 +211,9 @@ class LayerStreamer:
             raise ValueError(f"LayerStreamer: layer {i} takes {blob.nbytes} bytes, more than the planned "
                              f"buffer of {self.buffer_bytes}")
         self.blobs[i] = blob
+        # Its weights exist on the device only while it runs: the layer before must not read them
+        # (models/llama.py hands a norm across layers only into a layer that is not streamed).
+        self.layers[i].streamed = True
         self.host[i] = self.streams.host_empty(blob.nbytes)
         blob.fill(self.host[i])
         # A tensor cannot move between devices in place, so a streamed layer's tensors always point
