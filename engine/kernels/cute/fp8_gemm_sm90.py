@@ -51,7 +51,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from engine.kernels.cute.common import (CompileCache, compile_scaled_gemm, current_stream, scaled_gemm_tensors,
                                         tensor_ptr, tma_rows)
-from engine.kernels.platform import sm_count, sm_count_or_default
+from engine.kernels.platform import sm_count
 from engine.kernels.cute.epilogue import scale_accumulators
 
 # Tiles the dispatcher chooses from, largest first: (tile_m, tile_n). tile_k is 128 (four k32 WGMMAs).
@@ -368,9 +368,8 @@ class Fp8GemmSm90:
 _cache = CompileCache()
 
 
-def compiled_kernel(tile_mn, n: int, k: int, has_residual: bool, fast_accum: bool, swizzle: int | None = None,
-                    promote_every: int | None = None):
-    num_sms = sm_count_or_default()
+def compiled_kernel(tile_mn, n: int, k: int, has_residual: bool, fast_accum: bool, num_sms: int,
+                    swizzle: int | None = None, promote_every: int | None = None):
     swizzle = swizzle or choose_swizzle(n // tile_mn[1])
     promote_every = 1 if fast_accum else promote_every or choose_promote_every(k)
     return _cache.get((tile_mn, n, k, has_residual, fast_accum, num_sms, swizzle, promote_every),
@@ -407,8 +406,9 @@ def fp8_gemm_sm90(qx: torch.Tensor, x_scale: torch.Tensor, qw: torch.Tensor, w_s
         residual = residual.to(torch.bfloat16).contiguous()
         if residual.shape != (m, n):
             raise ValueError(f"residual must be [{m}, {n}], got {tuple(residual.shape)}")
-    tile_mn = tile_mn or choose_tile(m, n, sm_count(qx.device), fast_accum)
-    fn = compiled_kernel(tuple(tile_mn), n, k, residual is not None, fast_accum, swizzle, promote_every)
+    num_sms = sm_count(qx.device)    # the tile choice and the persistent grid plan for one count
+    tile_mn = tile_mn or choose_tile(m, n, num_sms, fast_accum)
+    fn = compiled_kernel(tuple(tile_mn), n, k, residual is not None, fast_accum, num_sms, swizzle, promote_every)
     fn(tensor_ptr(qx), tensor_ptr(qw), tensor_ptr(x_scale, 4), tensor_ptr(w_scale, 4),
        tensor_ptr(out), tensor_ptr(residual if residual is not None else out), m, tma_rows(qx, tile_mn[0]),
        current_stream())
