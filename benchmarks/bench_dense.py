@@ -5,7 +5,8 @@
 Per shape (q/k/v, o, gate/up with SwiGLU, down, the LM head) and M: cuBLAS (torch's GEMM; for gate/up
 followed by the engine's SwiGLU kernel, what the dense format ran before) and the streaming kernel
 (engine/kernels/stream_triton.py) with its rule's launch (`stream_config`), and with --sweep every
-configuration the tuner times (`stream_configs`). Each is captured in a CUDA graph over rotating
+configuration the tuner times (`stream_configs`): the fastest in the main table, each one in a table
+after it. Each is captured in a CUDA graph over rotating
 weight copies (together more than 400 MB, so every call reads its weight from HBM) and the replay
 is timed with CUDA events, the median over replays per call. Bytes are everything a call must move
 (weight, activations, output), against the HBM copy bandwidth (read + write) measured in the same
@@ -44,6 +45,7 @@ def main():
     print(f"HBM copy {copy_gbs:.0f} GB/s")
     print("\n| shape | M | MB | cuBLAS us | of copy | streaming us | of copy | config | × cuBLAS | best listed us | config |")
     print("|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|")
+    swept = []    # (shape, M, config, seconds, fraction of copy) of every configuration timed
     for name, (n, k, sw) in SHAPES.items():
         copies = max(2, -(-400_000_000 // (2 * n * k)))
         ws = [(torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16) for _ in range(copies)]
@@ -76,10 +78,17 @@ def main():
                 return nbytes / t / 1e9 / copy_gbs
             cfg_s = f"{rule['BLOCK_N']}x{rule['BLOCK_K']}, split {rule['SPLIT_K']}, {rule['num_stages']} stages"
             best_s = f"{best_t * 1e6:.1f} | {best_cfg}" if args.sweep else "- | -"
+            swept += [(name, m, cfg, t, frac(t)) for t, cfg in timed.values()] if args.sweep else []
             print(f"| {name} | {m} | {nbytes / 1e6:.1f} | {t_cublas * 1e6:.1f} | {frac(t_cublas):.0%} | "
                   f"{t_rule * 1e6:.1f} | {frac(t_rule):.0%} | {cfg_s} | {t_cublas / t_rule:.2f} | {best_s} |", flush=True)
         del ws
         torch.cuda.empty_cache()
+    if swept:
+        print("\n| shape | M | BLOCK_N x BLOCK_K | split | stages | us | of copy |\n|---|---:|---|---:|---:|---:|---:|")
+        for name, m, cfg, t, f in swept:
+            c = stream_triton.as_config(cfg)
+            print(f"| {name} | {m} | {c['BLOCK_N']}x{c['BLOCK_K']} | {c['SPLIT_K']} | {c['num_stages']} | "
+                  f"{t * 1e6:.1f} | {f:.0%} |")
 
 
 if __name__ == "__main__":
