@@ -158,3 +158,23 @@ def test_norm_handoff_matches_the_norm_kernels(llm, monkeypatch, request):
     assert (got_logits - want_logits).abs().max().item() < 1e-3
     got = _greedy_top2(llm, ids, 12)
     parting(got.token_ids, want.token_ids, [lp.top for lp in want.logprobs], tol=2e-3)
+
+
+def test_norm_handoff_only_where_it_is_exact(norm_handoff_on_cpu):
+    """Where the backends would hand a norm off (the fixture says they would), the model still runs
+    the norm kernel when the GEMM before it is row-parallel (its output is a partial sum until the
+    all-reduce after it), when the fused kernels are off, or when the residual stream is not one
+    contiguous block (the epilogue adds into it in place)."""
+    from types import SimpleNamespace
+
+    from engine.linear import Linear
+    from models.llama import RMSNorm, norm_handoff
+    norm, before, after = RMSNorm(64, 1e-5), Linear(64, 64), Linear(64, 128)
+    residual = torch.randn(2, 64)
+    assert norm_handoff(before, after, norm, residual, 2, swiglu=True)
+    assert not norm_handoff(before, after, norm, torch.randn(64, 2).t(), 2, swiglu=True)
+    norm.fused = False
+    assert not norm_handoff(before, after, norm, residual, 2, swiglu=True)
+    norm.fused = True
+    before.tp = SimpleNamespace(rank=0, size=2)
+    assert not norm_handoff(before, after, norm, residual, 2, swiglu=True)
