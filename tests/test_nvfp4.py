@@ -159,8 +159,9 @@ def test_custom_op_matches_reference_and_passes_opcheck():
 def test_kernel_selection_per_architecture():
     # What nvfp4_linear runs, by architecture and M (engine/kernels/select.py), faked on the CPU:
     # sm_90: Gluon decode to M = 4, Triton decode to 128, then decode to FP8 + the CuTe DSL FP8 GEMM
-    # on e4m3 activations (the reference without CuTe DSL or where N % 64 != 0); sm_100: the CuTe
-    # DSL kernel on row-major storage where installed; fp32 activations or K % 64 only the reference.
+    # on e4m3 activations (decode to bf16 + cuBLAS without CuTe DSL or where N % 64 != 0); sm_100:
+    # the CuTe DSL kernel on row-major storage where installed; fp32 activations or K % 64 only the
+    # reference.
     from engine.kernels.platform import cute_available, fake_capability
     from engine.kernels.select import Problem, clear_cache, select
 
@@ -173,11 +174,9 @@ def test_kernel_selection_per_architecture():
             if cute_available():
                 assert [pick(m) for m in (1, 3, 4, 5, 16, 64, 128, 129, 200, 2048)] == (
                     ["gluon_decode"] * 3 + ["triton_decode"] * 4 + ["fp8_dequantize_wgmma"] * 3)
-                with pytest.warns(RuntimeWarning, match="needs N % 64 == 0"):
-                    assert pick(200, n=4000) == "reference"
+                assert pick(200, n=4000) == "dequantize_cublas"
             else:
-                with pytest.warns(RuntimeWarning, match="nvidia-cutlass-dsl is not installed"):
-                    assert pick(200) == "reference"
+                assert pick(200) == "dequantize_cublas"
             assert pick(1, k=576, tiled=False) == "gluon_decode"
             assert pick(1, k=576, tiled=True) == "triton_decode"  # Gluon reads tiles 128 K deep
             with pytest.warns(RuntimeWarning, match="reference"):
@@ -192,6 +191,9 @@ def test_kernel_selection_per_architecture():
             assert pick(2048, tiled=False) == ("cute_tcgen05_sm100" if cute_available() else "dequantize_cublas")
             assert pick(1, n=8192, **dict(table=nv.NVFP4_SWIGLU, op="nvfp4_swiglu")) == "separate"
         assert pick(1, device="cpu") == "reference" and pick(2048, device="cpu") == "reference"
+        emulated = dict(table={"other": nv.sm90_reference_kernels()}, op="nvfp4_sm90_emulated", device="cpu")
+        assert [pick(m, **emulated) for m in (128, 200)] == ["sm90_w4a16_reference", "sm90_fp8_path_reference"]
+        assert pick(200, n=4000, **emulated) == "sm90_dequantize_reference"    # as on sm_90: W4A16
     finally:
         clear_cache()
 
@@ -214,7 +216,7 @@ def test_fp8_path_takes_e4m3_from_the_norm_and_the_swiglu(monkeypatch):
             calls.append(x.dtype)
             return run(x, *args, **kwargs)
         return call
-    w4a16, fp8_path = (replace(k, run=recorded(k.run)) for k in nv.sm90_reference_kernels())
+    w4a16, fp8_path, _ = (replace(k, run=recorded(k.run)) for k in nv.sm90_reference_kernels())
     assert w4a16.max_m == 128 and fp8_path.input_quant == "fp8"
     monkeypatch.setitem(nv.NVFP4_GEMM, "other", [w4a16, fp8_path])
     quantize = nv.quantize_act_fp8
@@ -746,7 +748,7 @@ def test_gpu_decode_kernel_arithmetic_fallback(monkeypatch):
 @pytest.mark.gpu
 def test_gpu_tail_n_and_dispatch():
     # N not a multiple of any tile, M crossing the decode/GEMM boundary (past it the FP8 GEMM takes
-    # no N % 64 != 0: the reference, with its warning); through nvfp4_linear.
+    # no N % 64 != 0: decode to bf16 + cuBLAS); through nvfp4_linear.
     w = nv.quantize(torch.randn(1000, 4096, device="cuda"))
     for m in (1, 16, 33, 300):
         x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)

@@ -27,7 +27,8 @@ The NVFP4 GEMM, per architecture (engine/kernels/select.py):
   (`to_fp8`: one more rounding of each weight, to e4m3's 4 significant bits) and the CuTe DSL FP8
   GEMM runs (W8A8 on tensor cores twice as fast as bf16's; `nvfp4_fp8_linear_reference`). Its
   activations are e4m3 per token: the RMSNorm or SwiGLU before the GEMM writes them so
-  (`input_quant`), as for `--weights fp8`. Without CuTe DSL (or N % 64 != 0), the reference.
+  (`input_quant`), as for `--weights fp8`. Where the FP8 GEMM cannot run (no CuTe DSL, or N % 64
+  != 0), the weight is decoded to bf16 for cuBLAS instead (W4A16, exact).
 - sm_100: the CuTe DSL tcgen05 block-scaled kernel (W4A4: activations quantised to NVFP4 per call;
   N % 128 == 0, K % 256 == 0), else the Triton decode kernel, else decode to bf16 + cuBLAS (exact).
 - anything else: the Triton decode kernel, decode + cuBLAS, or the reference.
@@ -209,14 +210,16 @@ def nvfp4_fp8_linear_reference(x: torch.Tensor, w: Nvfp4Tensor,
 def sm90_reference_kernels() -> list[Kernel]:
     """sm_90's NVFP4 numerics in PyTorch, as a kernel list for any device: W4A16 up to the decode
     kernels' M, past it the FP8 path's (`to_fp8` weights times e4m3 activations, which the norm or
-    SwiGLU before writes). What bench.py's quality emulation and the GPU tests' references run."""
+    SwiGLU before writes), and W4A16 again where N % 64 != 0 (what decode to bf16 + cuBLAS
+    computes). What bench.py's quality emulation and the GPU tests' references run."""
     def w4a16(x, w, config=None):
         return nvfp4_linear_reference(x, w, x.dtype)
 
     def w8a8(qx, x_scale, w, out_dtype, config=None):
         return fp8_linear_reference(qx, x_scale, *to_fp8(w), out_dtype=out_dtype)
     return [Kernel("sm90_w4a16_reference", w4a16, max_m=nvfp4_triton.MAX_M, needs_cuda=False),
-            Kernel("sm90_fp8_path_reference", w8a8, needs_cuda=False, input_quant="fp8")]
+            Kernel("sm90_fp8_path_reference", w8a8, needs_cuda=False, input_quant="fp8", check=_fp8_gemm_shape),
+            Kernel("sm90_dequantize_reference", w4a16, needs_cuda=False)]
 
 
 # ------------------------------------------------------------------------------------ kernels
@@ -253,10 +256,14 @@ def _fp8_dequant_wgmma(qx, x_scale, w, out_dtype, config=None):
     return fp8_linear(qx, *nvfp4_triton.dequantize_fp8_scratch(w), out_dtype=out_dtype, x_scale=x_scale)
 
 
+def _fp8_gemm_shape(p: Problem) -> str | None:
+    return "the FP8 GEMM needs N % 64 == 0" if p.n % 64 else None
+
+
 def _fp8_dequant_fits(p: Problem) -> str | None:
     if not cute_available():
         return "nvidia-cutlass-dsl is not installed"
-    return _decodable(p) or ("needs N % 64 == 0" if p.n % 64 else None)
+    return _decodable(p) or _fp8_gemm_shape(p)
 
 
 def _tcgen05(x, w, config=None):
@@ -287,7 +294,7 @@ REFERENCE = Kernel("reference", _reference, reference=True)
 NVFP4_GEMM = {
     9: [Kernel("gluon_decode", _gluon_decode, max_m=4, check=_gluon_decodable), TRITON_DECODE,
         Kernel("fp8_dequantize_wgmma", _fp8_dequant_wgmma, check=_fp8_dequant_fits, input_quant="fp8"),
-        REFERENCE],
+        DEQUANT_CUBLAS, REFERENCE],
     10: [Kernel("cute_tcgen05_sm100", _tcgen05, check=_tcgen05_fits), TRITON_DECODE, DEQUANT_CUBLAS, REFERENCE],
     "other": [TRITON_DECODE, DEQUANT_CUBLAS, REFERENCE],
 }
