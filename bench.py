@@ -505,10 +505,14 @@ def nvfp4_fp8_path_on_cpu():
         clear_cache()
 
 
-def write_outputs(results, args):
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
+def write_json(results, out: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(results, f, indent=2, default=str)
+
+
+def write_outputs(results, args):
+    write_json(results, args.out)
     md = markdown_table(results)
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(md)
@@ -746,10 +750,7 @@ def main(argv=None):
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        # What is measured so far stays on disk: a run cut short by a crash or a time limit keeps it.
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump(results, f, indent=2, default=str)
+        write_json(results, args.out)   # a run cut short by a crash or a time limit keeps what it measured
     results["gemm_points"] = shared.get("points", [])
     md = write_outputs(results, args)
     print(md)

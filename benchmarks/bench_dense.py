@@ -6,11 +6,11 @@ Per shape (q/k/v, o, gate/up with SwiGLU, down, the LM head) and M: cuBLAS (torc
 followed by the engine's SwiGLU kernel, what the dense format ran before) and the streaming kernel
 (engine/kernels/stream_triton.py) with its rule's launch (`stream_config`), and with --sweep every
 configuration the tuner times (`stream_configs`): the fastest in the main table, each one in a table
-after it. Each is captured in a CUDA graph over rotating
-weight copies (together more than 400 MB, so every call reads its weight from HBM) and the replay
-is timed with CUDA events, the median over replays per call. Bytes are everything a call must move
-(weight, activations, output), against the HBM copy bandwidth (read + write) measured in the same
-run. Every timed configuration's output is checked against float64 first.
+after it. Each is captured in a CUDA graph over rotating weight copies (together more than 400 MB,
+so every call reads its weight from HBM) and the replay is timed with CUDA events, the median over
+replays per call. Bytes are everything a call must move (weight, activations, output), against
+the HBM copy bandwidth (read + write) measured in the same run. Every timed configuration's output
+is checked against float64 first.
 """
 from __future__ import annotations
 

@@ -239,11 +239,9 @@ class LlamaMLP(nn.Module):
         return self.gate_up_proj.swiglu(x, self.down_proj.input_quant(m))
 
     def down(self, act):
+        """down_proj of the SwiGLU product (all-reduced across ranks)."""
         y = self.down_proj(act)
         return y if self.tp is None else self.tp.all_reduce(y)
-
-    def forward(self, x):
-        return self.down(self.activation(x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -265,16 +263,16 @@ class LlamaDecoderLayer(nn.Module):
         input, or `NormedRows` of the residual (the previous layer's down_proj handed this norm
         off). qkv_out and residual_out: where the attention's inputs and the residual stream go
         (the step graphs' static buffers)."""
+        quant = None if isinstance(x, NormedRows) else self.self_attn.qkv_proj.input_quant(x.shape[0])
         if isinstance(x, NormedRows):
             h = x
             if residual_out is not None and residual_out.data_ptr() != residual.data_ptr():
                 residual = residual_out.copy_(residual)
         elif residual is None:
             residual = x if residual_out is None else residual_out.copy_(x)
-            h = self.input_layernorm(x, quant=self.self_attn.qkv_proj.input_quant(x.shape[0]))
+            h = self.input_layernorm(x, quant=quant)
         else:
-            h, residual = self.input_layernorm(x, residual, self.self_attn.qkv_proj.input_quant(x.shape[0]),
-                                               residual_out=residual_out)
+            h, residual = self.input_layernorm(x, residual, quant, residual_out=residual_out)
         return (*self.self_attn.project(h, positions, batch, inv_freq, qkv_out), residual)
 
     def after_attention(self, o, residual, next_layer=None):
