@@ -91,8 +91,9 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class NormedRows(NamedTuple):
-    """RMSNorm(h) * g handed off between two GEMMs (engine/kernels/stream_triton.py): xg = h * g
-    and the partial sums of squares of h's rows; the GEMM that takes them applies 1 / rms itself."""
+    """RMSNorm(h) * g handed off between two GEMMs (engine/kernels/stream_triton.py states the
+    protocol): xg = h * g and the partial sums of squares of h's rows; the GEMM that takes them
+    applies 1 / rms itself."""
     xg: torch.Tensor
     parts: torch.Tensor
     eps: float
@@ -107,8 +108,8 @@ class NormedRows(NamedTuple):
 
 
 def norm_handoff(producer: Linear, consumer: Linear, norm: "RMSNorm", residual, m: int, swiglu: bool) -> bool:
-    """Whether the RMSNorm between producer and consumer hands off (no norm kernel): both GEMMs run
-    the streaming kernel at M rows, on one GPU, with the fused kernels on."""
+    """Whether the RMSNorm between producer and consumer hands off (no norm kernel): both GEMMs' formats
+    take part at M rows (`WeightFormat.norm_handoff`), on one GPU, with the fused kernels on."""
     return (norm.fused and producer.tp is None and residual is not None and residual.is_contiguous()
             and producer.backend.norm_handoff(m) and consumer.backend.norm_handoff(m, swiglu))
 
@@ -255,8 +256,9 @@ class LlamaDecoderLayer(nn.Module):
 
     # The residual add is fused into the norm that follows it, and with FP8 GEMMs after them the
     # norms write their output already quantised (1 byte per element, never a bf16 copy). Where the
-    # GEMMs on both sides of a norm run the streaming kernel (dense decode), the norm hands off
-    # instead (`NormedRows`): the GEMM before it adds the residual, the one after applies 1 / rms.
+    # GEMMs on both sides of a norm can (decode-sized M; dense and 2:4 weights), the norm
+    # hands off instead (`NormedRows`): the GEMM before it adds the residual, the one after applies
+    # 1 / rms.
 
     def attention_inputs(self, x, residual, positions, batch, inv_freq, qkv_out=None, residual_out=None):
         """The input norm and `LlamaAttention.project`: (q, k, v, new_kv, residual). x: the layer's

@@ -114,6 +114,28 @@ def test_norm_handoff_against_float64(m, config, swiglu):
     assert rel_err(y, reference(normed, w2, swiglu)) < 3 * TOL[torch.bfloat16]   # xg's rounding and y's
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("group", [16, 4])
+@pytest.mark.parametrize("m", [1, 7])
+def test_row_scaled_takes_any_producers_parts(m, group):
+    """The GEMM after a handed-off norm reads whatever G rows of partial sums the GEMM before wrote
+    (another format's kernel groups its own row tiles): 20 rows, loaded before the weight loop, or
+    80, loaded after it. The columns past M hold NaN: they must not reach the rows stored."""
+    torch.manual_seed(m + group)
+    n, k, eps = 320, 192, 1e-5
+    h = torch.randn(m, n, device=DEVICE, dtype=torch.bfloat16)
+    g = (1 + 0.2 * torch.randn(n, device=DEVICE)).to(torch.bfloat16)
+    xg = (h.double() * g.double()).to(torch.bfloat16)
+    parts = torch.full((n // group, 16), float("nan"), device=DEVICE)
+    parts[:, :m] = (h.double() ** 2).view(m, n // group, group).sum(-1).t().float()
+    w = (torch.randn(k, n, device=DEVICE) / n ** 0.5).to(torch.bfloat16)
+    y = stream_triton.stream_matmul_row_scaled(xg, w, parts, eps, (64, 64, 1, 2))
+    assert not y.isnan().any()
+    hd = h.double()
+    normed = hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + eps) * g.double()
+    assert rel_err(y, reference(normed, w, False)) < 3 * TOL[torch.bfloat16]
+
+
 def test_stream_matmul_refuses_what_it_cannot_take():
     w = torch.zeros(64, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="up to 16 rows"):
@@ -134,8 +156,10 @@ def test_stream_matmul_refuses_what_it_cannot_take():
         stream_triton.stream_matmul_norm_out(x, w, res[:1], g, res.clone(), torch.zeros(1, 16))
     with pytest.raises(ValueError, match="parts"):
         stream_triton.stream_matmul_norm_out(x, w, res, g, res.clone(), torch.zeros(2, 16))
-    with pytest.raises(ValueError, match="parts"):     # K = 128: two groups of 64
-        stream_triton.stream_matmul_row_scaled(x, w, torch.zeros(1, 16), 1e-5)
+    with pytest.raises(ValueError, match="parts"):     # [G, 16] fp32, G any
+        stream_triton.stream_matmul_row_scaled(x, w, torch.zeros(2, 8), 1e-5)
+    with pytest.raises(ValueError, match="parts"):
+        stream_triton.stream_matmul_row_scaled(x, w, torch.zeros(2, 16, dtype=torch.float16), 1e-5)
 
 
 def test_launch_rule_at_llama_shapes():
@@ -163,26 +187,29 @@ def test_launch_rule_at_llama_shapes():
 
 
 @pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") == "1", reason="compiles, not interprets")
-@pytest.mark.parametrize("kind", ["bf16", "bf16 SwiGLU", "e4m3 + residual", "bf16 norm hand-off"])
+@pytest.mark.parametrize("kind", ["bf16", "bf16 SwiGLU", "e4m3 + residual", "bf16 norm hand-off",
+                                  "bf16 norm hand-off, 256 parts"])
 def test_compiles_for_sm90_to_wgmma_fed_by_cp_async(kind):
     """The PTX for Hopper: the weight tile feeds a WGMMA (bf16 m64n16k16, or e4m3 m64n16k32 on the
     bytes as stored) from shared memory, filled by cp.async in a multi-stage pipeline; the SwiGLU
     variant runs two per K step; the split's partial sums leave by atomics. The norm hand-off's
-    epilogues (both in one binary here) leave the weight loop as it is."""
+    epilogues (both in one binary here) leave the weight loop as it is, with the partial sums
+    loaded before it (64 rows) or after it (256, from a producer of narrower tiles)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     kernel = stream_triton._stream_kernel
     names = kernel.arg_names
     e4m3 = kind.startswith("e4m3")
     value = "*fp8e4nv" if e4m3 else "*bf16"
-    handoff = kind == "bf16 norm hand-off"
+    handoff = kind.startswith("bf16 norm hand-off")
     types = {"x_ptr": value, "w_ptr": value, "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "res_ptr": "*bf16",
              "out_ptr": "*bf16", "acc_ptr": "*fp32", "count_ptr": "*i32", "g_ptr": "*bf16", "xg_ptr": "*bf16",
-             "part_ptr": "*fp32", "part_in_ptr": "*fp32", "eps": "fp32", "M": "i32", "N": "i32",
-             "stride_xm": "i32", "stride_om": "i32"}
+             "part_ptr": "*fp32", "part_in_ptr": "*fp32", "n_parts": "i32", "eps": "fp32", "M": "i32",
+             "N": "i32", "stride_xm": "i32", "stride_om": "i32"}
     constexprs = {"K": 4096, "SPLIT_K": 2, "BLOCK_N": 64, "BLOCK_K": 256 if e4m3 else 128,
                   "SWIGLU": kind.endswith("SwiGLU"), "E4M3": e4m3, "HAS_RESIDUAL": e4m3 or handoff,
-                  "NORM_OUT": handoff, "ROW_SCALE": handoff, "PARTS": 64 if handoff else 1, "NATIVE": True}
+                  "NORM_OUT": handoff, "ROW_SCALE": handoff, "NATIVE": True,
+                  "PARTS": (256 if kind.endswith("256 parts") else 64) if handoff else 1}
     assert set(types) | set(constexprs) == set(names)
     signature = {n: types.get(n, "constexpr") for n in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr")}

@@ -550,32 +550,46 @@ def test_engine_reads_each_steps_tokens_after_queuing_the_next():
         assert sinks == [("sink", n)] and part.index(sinks[0]) > wait   # step n - 1's token, once read
 
 
+# The formats of the GEMMs before and after the norms handed off on llama-tiny. 2:4: the dense
+# o_proj hands to the 2:4 gate/up where the SwiGLU kernel follows it (the 9-token prefill); the 2:4
+# down_proj (K = 704) has no sparse-MMA configuration, so the norm after it stays.
+HANDOFFS = {("bf16", None): ({"DenseWeight"}, {"DenseWeight"}),
+            ("bf16", "magnitude"): ({"DenseWeight"}, {"Sparse24Weight"})}
+
+
 @pytest.mark.gpu
-def test_gpu_norm_handoff_gives_the_norm_kernels_tokens(monkeypatch):
-    """Dense bf16 decode on Hopper hands each RMSNorm between two streaming GEMMs off
-    (models/llama.py `NormedRows`): against the same engine with every norm on the norm kernel,
-    the greedy tokens of four prompts decoding together in CUDA graphs agree up to near-ties, and
-    the logits of a 9-token prompt (its prefill takes the hand-off too) differ by bf16 rounding.
-    Tuning off, so that both engines run the streaming kernel's rule at every M up to 16."""
-    from engine.formats.dense import DenseWeight
-    from engine.kernels import stream_triton
+@pytest.mark.parametrize("weights,sparse_ffn", list(HANDOFFS))
+def test_gpu_norm_handoff_gives_the_norm_kernels_tokens(weights, sparse_ffn, monkeypatch):
+    """Decode on Hopper hands each RMSNorm between two GEMMs that can off (models/llama.py
+    `NormedRows`; dense: the streaming kernel; 2:4: the sparse-MMA kernel, beside the dense attention
+    GEMMs): against the same engine with every norm on the norm kernel, the greedy tokens of four
+    prompts decoding together in CUDA graphs agree up to near-ties, and the logits of a 9-token
+    prompt (its prefill takes the hand-off too) differ by bf16 rounding. Tuning off, so that both
+    engines run the same kernels."""
+    import models.llama
     torch.manual_seed(0)
     prompts = [torch.randint(10, 1000, (n,)).tolist() for n in (9, 30, 64, 100)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
-    handoffs = []
-    real = stream_triton.stream_matmul_norm_out
-    monkeypatch.setattr(stream_triton, "stream_matmul_norm_out", lambda *a, **k: handoffs.append(1) or real(*a, **k))
+    producers, consumers = set(), set()
+    real_after, real_project = models.llama.NormedRows.after, models.llama.NormedRows.project
+    monkeypatch.setattr(models.llama.NormedRows, "after",
+                        staticmethod(lambda *a: producers.add(type(a[0].backend).__name__) or real_after(*a)))
+    monkeypatch.setattr(models.llama.NormedRows, "project", lambda self, consumer, swiglu=False: consumers.add(
+        type(consumer.backend).__name__) or real_project(self, consumer, swiglu))
     results = {}
     for handoff in (True, False):
         if not handoff:
-            monkeypatch.setattr(DenseWeight, "norm_handoff", lambda self, m, swiglu=False: False)
-        llm = LLM("llama-tiny", device="cuda", dtype="bf16", tune="off", kv_cache_tokens=4096, seed=3)
+            monkeypatch.setattr(models.llama, "norm_handoff", lambda *a, **k: False)
+        llm = LLM("llama-tiny", device="cuda", dtype="bf16", tune="off", kv_cache_tokens=4096, seed=3,
+                  weights=weights, sparse_ffn=sparse_ffn)
         try:
             results[handoff] = (llm.logits(prompts[0]), llm.generate(prompts, params))
         finally:
             llm.shutdown(timeout=1)
         if handoff:
-            assert handoffs, "no norm was handed off"
+            assert (producers, consumers) == HANDOFFS[weights, sparse_ffn]
+            producers.clear()
+            consumers.clear()
     (logits, outs), (ref_logits, ref_outs) = results[True], results[False]
     assert ((logits - ref_logits).norm() / ref_logits.norm()).item() < 2e-2
     assert_same_greedy(outs, ref_outs, tol=0.05)   # random weights in bf16: ties are loose

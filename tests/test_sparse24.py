@@ -329,6 +329,56 @@ def test_gpu_sparse_mma_kernel(m):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3, 9, 16])
+def test_gpu_sparse_mma_norm_handoff(m):
+    # The sparse-MMA kernel on both sides of a handed-off RMSNorm (engine/kernels/stream_triton.py):
+    # before it (residual += x @ W^T, xg, the row tiles' sums of squares), with every candidate of
+    # M's bucket, on the Llama down shape and an N tail, twice (split-K's scratch back at zero);
+    # after it, with partial sums of 16- or 64-column groups (columns past M poisoned); and through
+    # Sparse24Weight, which takes part where its GEMM is the sparse-MMA kernel, for a fused gate/up
+    # only where the SwiGLU kernel follows (the SwiGLU epilogue would apply the row scale too late).
+    from engine.kernels import sparse24_gluon as sp
+    from engine.kernels.sparse24_gluon import handoff_parts
+    from tests.handoff import check_norm_out, check_row_scaled, random_parts
+    if not _sm90():
+        pytest.skip("sm_90 kernel")
+    eps = 1e-5
+    for n, k in ((4096, 14336), (1000, 1024)):
+        w, x = _gpu_case(m, n, k, 7 * m + n)
+        t = s24.compress_24(w)
+        for cfg in s24.GLUON_CONFIGS[m_bucket(m)]:
+            if sp.unsupported(x, t.values, t.meta, cfg) is not None:
+                continue
+            meta = sp.mma_order_meta(t.meta, cfg[3])
+            for _ in range(2):
+                check_norm_out(lambda x, h, g, xg, parts: sp.launch(x, t.values, meta, None, cfg, h,
+                                                                    norm_out=(g, xg, parts)),
+                               torch.randn_like(x), w.double(), cfg[2])
+            for group in (16, 64):
+                h, g, xg, parts = random_parts(m, k, group, "cuda")
+                y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                sp.launch(xg, t.values, meta, None, cfg, y, row_scale=(parts, eps))
+                check_row_scaled(y, h, g, w.double(), eps, False, tol=8e-3)
+    down_w = _gpu_case(m, 4096, 14336, 1)[0]
+    down = s24.Sparse24Weight.from_dense(down_w)
+    gate_up_w = _gpu_case(m, 2 * 14336, 4096, 2)[0]
+    gate_up = s24.Sparse24Weight.from_dense(gate_up_w)
+    assert down.norm_handoff(m)
+    fused_swiglu = m <= s24.SPARSE24_SWIGLU[9][0].max_m
+    assert gate_up.norm_handoff(m, swiglu=True) == (not fused_swiglu)
+    x = torch.randn(m, 14336, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    norm_weight = (1 + 0.2 * torch.randn(4096, device="cuda")).to(torch.bfloat16)
+    h = residual.clone()
+    xg, parts = down.norm_out_forward(x, h, norm_weight)
+    assert parts.shape == handoff_parts(4096, down._handoff_config(m, False)[2], "cuda").shape
+    assert rel_err(h, fp64_ref(x, down_w) + residual.double()) < 8e-3
+    if not fused_swiglu:
+        check_row_scaled(gate_up.row_scaled_forward(xg, parts, eps, swiglu=True), h, norm_weight,
+                         gate_up_w.double(), eps, True, tol=1.2e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
 def test_gpu_sparse_mma_swiglu_epilogue(m, tmp_path):
     # silu(gate) * up from the GEMM's epilogue: every candidate that can run it, on the 8B gate_up
@@ -444,7 +494,8 @@ def test_sparse_mma_kernel_compiles_for_sm90():
     from gluon_ptx import compile_sm90, ptx_loops
     from engine.kernels.sparse24_gluon import sparse24_sp_kernel
     args = dict(x_ptr="*i32", words_ptr="*i32", meta_ptr="*i32", scale_ptr="*fp32", out_ptr="*bf16",
-                acc_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", stride_xm="i32", stride_om="i32")
+                acc_ptr="*fp32", count_ptr="*i32", parts_ptr="*fp32", g_ptr="*bf16", xg_ptr="*bf16",
+                n_parts="i32", eps="fp32", M="i32", N="i32", stride_xm="i32", stride_om="i32")
     for wpt, mp, wk, warps, split, rb in ((4, 8, 2, 4, 1, 1), (8, 16, 4, 4, 2, 1), (4, 16, 1, 8, 1, 1),
                                           (8, 8, 4, 8, 2, 1), (4, 16, 2, 4, 1, 4)):
         ptx = compile_sm90(sparse24_sp_kernel, args, dict(K=8192, BLOCK_N=16 * rb * warps // wk, WPT=wpt, MP=mp,
@@ -471,6 +522,15 @@ def test_sparse_mma_kernel_compiles_for_sm90():
             fused_loops = ptx_loops(fused)
             assert len(fused_loops) == 1 and fused_loops[0].count("mma.sp") == body.count("mma.sp")
             assert "ex2.approx" in fused and fused.count("st.global") * 2 == ptx.count("st.global")
+        # The RMSNorm hand-off's epilogues (engine/kernels/stream_triton.py) leave the loop as it is.
+        for handoff in (dict(NORM_OUT=True), dict(NORM_IN=True, PARTS=64)):
+            fused = compile_sm90(sparse24_sp_kernel, args, dict(K=8192, BLOCK_N=16 * rb * warps // wk, WPT=wpt,
+                                                                MP=mp, WK=wk, SPLIT_K=split, HAS_SCALE=False)
+                                 | handoff, num_warps=warps)
+            fused_loops = ptx_loops(fused)
+            assert len(fused_loops) == 1 and fused_loops[0].count("mma.sp") == body.count("mma.sp")
+            assert fused_loops[0].count("ld.global") == body.count("ld.global")
+            assert ("sqrt" in fused) == ("NORM_IN" in handoff)
     # Small K: one K step per warp (K = 64 at WPT 4; 256 over 2 warps at WPT 8), odd step counts
     # (704 = 11 steps of 64), WPT 2
     for k, wpt, wk, warps in ((64, 4, 1, 4), (256, 8, 2, 4), (704, 4, 1, 4), (96, 2, 1, 4)):

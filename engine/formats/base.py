@@ -66,8 +66,9 @@ class WeightFormat(nn.Module):
 
     def norm_handoff(self, m: int, swiglu: bool = False) -> bool:
         """Whether this weight's GEMM at M activation rows takes part in the RMSNorm hand-off
-        (engine/kernels/stream_triton.py): as the GEMM before a norm (`norm_out_forward`) and as the
-        one after it (`row_scaled_forward`, swiglu: a fused gate/up projection's SwiGLU epilogue).
+        (engine/kernels/stream_triton.py states the protocol, which lets the two sides be of
+        different formats): as the GEMM before a norm (`norm_out_forward`) and as the one after it
+        (`row_scaled_forward`, swiglu: a fused gate/up projection, returning silu(gate) * up).
         Default: no; the norm kernel runs between them."""
         return False
 

@@ -33,6 +33,8 @@ The NVFP4 GEMM, per architecture (engine/kernels/select.py):
   N % 128 == 0, K % 256 == 0), else the Triton decode kernel, else decode to bf16 + cuBLAS (exact).
 - anything else: the Triton decode kernel, decode + cuBLAS, or the reference.
 The fused gate/up projection's SwiGLU runs in the Gluon kernel's epilogue where it is selected.
+The RMSNorm hand-off (engine/kernels/stream_triton.py) does not pay in the Gluon kernel, whose
+epilogues cost what the norm kernels do (BENCHMARKS.md, "Tried"): NVFP4 keeps its norm kernels.
 """
 from __future__ import annotations
 

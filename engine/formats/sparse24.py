@@ -15,6 +15,10 @@ Each has several launch configurations, and which wins depends on the shape and 
 them when it starts (engine/kernels/tuner.py; `--tune off` takes the list's order and each kernel's
 first configuration). For the fused gate/up projection at decode sizes the Gluon kernel can also
 finish silu(gate) * up in its epilogue; the tuner times that against the GEMM and the SwiGLU kernel.
+Where it runs the GEMM, it also takes part in the RMSNorm hand-off (`norm_handoff`: the norm between
+two decode GEMMs runs in their epilogues, engine/kernels/stream_triton.py), beside the dense
+attention projections; not with its SwiGLU epilogue, which forms silu(gate) * up before the norm's
+1 / rms could apply.
 
 The 2:4 GEMM with e4m3 values: torchao's CUTLASS sm90 kernel (sparse WGMMA, per-token activation
 scales: the fused RMSNorm / SwiGLU kernels hand it e4m3 activations) on sm_90, else the Triton
@@ -180,15 +184,18 @@ def _dense_input(x, x_scale, dtype):
     return x if x_scale is None else (x.float() * x_scale.float().reshape(-1, 1)).to(dtype)
 
 
-def _run_gluon(x, w, config, x_scale=None, swiglu=False):
+def _run_gluon(x, w, config, x_scale=None, swiglu=False, out=None, **handoff):
+    """handoff: the RMSNorm hand-off's norm_out (out is then the residual) or row_scale
+    (engine/kernels/sparse24_gluon.py `launch`)."""
     from engine.kernels import sparse24_gluon as sp
     x = _dense_input(x, x_scale, w.dtype)
     reason = (sp.swiglu_unsupported if swiglu else sp.unsupported)(x, w.values, w.meta, config)
     if reason is not None:
         raise ValueError(f"sparse-MMA kernel, config {config}: {reason}")
-    n = w.out_features // 2 if swiglu else w.out_features
-    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    return sp.launch(x, w.values, getattr(w, f"meta_mma_{config[3]}"), w.scale, config, out, swiglu)
+    if out is None:
+        n = w.out_features // 2 if swiglu else w.out_features
+        out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    return sp.launch(x, w.values, getattr(w, f"meta_mma_{config[3]}"), w.scale, config, out, swiglu, **handoff)
 
 
 def _run_triton(x, w, config, x_scale=None):
@@ -257,9 +264,12 @@ class _Sparse24Base(WeightFormat):
         return Sparse24Tensor(self.values, self.meta, (self.out_features, self.in_features))
 
     def _problem(self, op: str, x: torch.Tensor) -> Problem:
-        mma_order = getattr(self, "meta_mma_4", None) is not None
         x_dtype = self.dtype if x.dtype == torch.float8_e4m3fn else x.dtype
-        return Problem(op, x.shape[0], self.out_features, self.in_features, x.device,
+        return self._problem_at(op, x.shape[0], x_dtype, x.device)
+
+    def _problem_at(self, op: str, m: int, x_dtype: torch.dtype, device) -> Problem:
+        mma_order = getattr(self, "meta_mma_4", None) is not None
+        return Problem(op, m, self.out_features, self.in_features, device,
                        (self.values.dtype, x_dtype, self.packed is not None, mma_order))
 
     def forward(self, x: torch.Tensor, x_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -352,6 +362,34 @@ class Sparse24Weight(_Sparse24Base):
     def swiglu_forward(self, x):
         choice = select(SPARSE24_SWIGLU, self._problem("sparse24_swiglu", x), self.tuned.get("sparse24_swiglu"))
         return None if choice.kernel.run is None else choice.kernel.run(x.contiguous(), self, config=choice.config)
+
+    def _handoff_config(self, m: int, swiglu: bool):
+        """The sparse-MMA kernel's configuration at M rows where it runs this weight's GEMM in the
+        RMSNorm hand-off, else None. A fused gate/up takes part only where the SwiGLU kernel follows
+        the GEMM: the SwiGLU epilogue forms silu(gate) * up before the row scale could apply."""
+        if torch.compiler.is_compiling() or not 0 < m <= 16:
+            return None
+        device = self.meta.device
+        if swiglu and select(SPARSE24_SWIGLU, self._problem_at("sparse24_swiglu", m, self.dtype, device),
+                             self.tuned.get("sparse24_swiglu")).kernel.run is not None:
+            return None
+        choice = select(self.table, self._problem_at(self.op, m, self.dtype, device), self.tuned.get(self.op))
+        return choice.config if choice.kernel is GLUON_SP else None
+
+    def norm_handoff(self, m: int, swiglu: bool = False) -> bool:
+        return self._handoff_config(m, swiglu) is not None
+
+    def norm_out_forward(self, x, residual, norm_weight):
+        from engine.kernels.sparse24_gluon import handoff_parts
+        config = self._handoff_config(x.shape[0], False)
+        xg, parts = torch.empty_like(residual), handoff_parts(self.out_features, config[2], x.device)
+        _run_gluon(x.contiguous(), self, config, out=residual, norm_out=(norm_weight, xg, parts))
+        return xg, parts
+
+    def row_scaled_forward(self, xg, parts, eps, swiglu=False):
+        from engine.kernels.swiglu import swiglu as swiglu_kernel
+        y = _run_gluon(xg.contiguous(), self, self._handoff_config(xg.shape[0], swiglu), row_scale=(parts, eps))
+        return swiglu_kernel(y) if swiglu else y
 
 
 class Sparse24Fp8Weight(_Sparse24Base):

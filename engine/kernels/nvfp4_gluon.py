@@ -20,8 +20,9 @@ Design (Marlin-style: every operand in registers, explicit layouts checked at co
 - x: 16-byte loads, permuted in registers to the logical K order (reused from L1 by every program).
   Rows past M and N re-read the last one, so the K loop has no masks.
 - Two K steps in flight per warp (`stream_steps`, shared with engine/kernels/sparse24_gluon.py, as
-  is the epilogue `store_rows`). WK warps split K step by step and meet once through shared memory;
-  SPLIT_K programs split K, reduced in the same launch (engine/kernels/split_k.py's protocol).
+  is the epilogue `store_rows`, whose RMSNorm hand-off only the 2:4 kernel runs). WK warps split K
+  step by step and meet once through shared memory; SPLIT_K programs split K, reduced in the same
+  launch (engine/kernels/split_k.py's protocol).
 - Storage: row-major or the 16-row x 128-K tiles (TILED), where a warp's K step is one contiguous
   1 KB read: contiguity is what moves this kernel (BENCHMARKS.md lists what was tried).
 """
@@ -354,19 +355,25 @@ def _split_k_take(acc_ptrs, mask, counter_ptr):
 @gluon.jit
 def store_rows(ROW_SCALE: gl.constexpr, acc, scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr,
                count_ptr, BLOCK_N: gl.constexpr, MP: gl.constexpr, SPLIT_K: gl.constexpr,
-               SWIGLU_WN: gl.constexpr = 0):
+               SWIGLU_WN: gl.constexpr = 0, NORM_IN: gl.constexpr = False, NORM_OUT: gl.constexpr = False,
+               parts_in=None, eps=0.0, K: gl.constexpr = 1, parts_ptr=None, g_ptr=None, xg_ptr=None):
     """y[:M, n0 : n0 + BLOCK_N] = ROW_SCALE(total, scale_ptr, rows, N), total the sum of the warps'
     K slices (through shared memory when WK > 1). With SPLIT_K > 1 the programs of a row tile add
     into acc_ptr (fp32 [M, N], zero on entry) and the last one writes y and zeroes acc_ptr and its
     counter in count_ptr. SWIGLU_WN > 0: the rows are gate and up rows as `_weight_rows` maps them
     with WN = SWIGLU_WN, and y[:M, n0/2 : (n0 + BLOCK_N)/2] = silu(gate) * up, N/2 wide (the
-    split-K scratch is then indexed by program row, programs x BLOCK_N wide)."""
+    split-K scratch is then indexed by program row, programs x BLOCK_N wide).
+    The RMSNorm hand-off (engine/kernels/stream_triton.py states the protocol): NORM_IN scales each
+    token's y by rsqrt(sum of parts_in / K + eps) first (parts_in from `load_parts`); NORM_OUT (no
+    SwiGLU) adds y into out, the residual, and writes xg = out * g_ptr and the tile's sums of
+    squares to parts_ptr row pid_n."""
     mma: gl.constexpr = acc.type.layout
     total = gl.sum(acc, axis=0)
     out_layout: gl.constexpr = gl.SliceLayout(0, mma)
     rows_o = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
     cols_o = gl.arange(0, MP, layout=gl.SliceLayout(0, out_layout))
-    out_ptrs = out_ptr + cols_o[None, :] * stride_om + rows_o[:, None]
+    offs = cols_o[None, :] * stride_om + rows_o[:, None]
+    out_ptrs = out_ptr + offs
     mask = (cols_o < M)[None, :] & (rows_o < N)[:, None]
     if SWIGLU_WN > 0:
         width = gl.num_programs(0) * BLOCK_N
@@ -383,11 +390,33 @@ def store_rows(ROW_SCALE: gl.constexpr, acc, scale_ptr, n0, pid_n, M, N, out_ptr
         last = True
     if last:
         y = ROW_SCALE(total, scale_ptr, rows_o, N)
+        if NORM_IN:
+            rstd = 1.0 / gl.sqrt(gl.sum(parts_in, axis=0) / K + eps)
+            y = y * gl.convert_layout(rstd, gl.SliceLayout(0, out_layout))[None, :]
         if SWIGLU_WN > 0:
             _store_swiglu(y, rows_o - n0, cols_o, n0 // 2, M, N // 2, out_ptr, stride_om, BLOCK_N, MP,
                           16 * SWIGLU_WN)
+        elif NORM_OUT:
+            h = (y + gl.load(out_ptrs, mask=mask, other=0.0).to(gl.float32)).to(out_ptr.dtype.element_ty)
+            gl.store(out_ptrs, h, mask=mask)
+            h = gl.where(mask, h.to(gl.float32), 0.0)
+            g = gl.load(g_ptr + gl.minimum(rows_o, N - 1)).to(gl.float32)
+            gl.store(xg_ptr + offs, (h * g[:, None]).to(xg_ptr.dtype.element_ty), mask=mask)
+            gl.store(parts_ptr + pid_n * 16 + cols_o, gl.sum(h * h, axis=0))
         else:
             gl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def load_parts(parts_ptr, n_parts, M, PARTS: gl.constexpr, MP: gl.constexpr):
+    """The hand-off's partial sums [n_parts, 16] as [PARTS, MP] (zeros past n_parts and M), for
+    `store_rows`'s NORM_IN: loaded before the K loop (the producer wrote them), so that their
+    latency hides under the weight stream; summed only in the epilogue."""
+    pl: gl.constexpr = gl.BlockedLayout([1, MP], [32, 1], [gl.num_warps(), 1], [1, 0])
+    groups = gl.arange(0, PARTS, layout=gl.SliceLayout(1, pl))
+    cols = gl.arange(0, MP, layout=gl.SliceLayout(0, pl))
+    return gl.load(parts_ptr + groups[:, None] * 16 + cols[None, :],
+                   mask=(groups < n_parts)[:, None] & (cols < M)[None, :], other=0.0)
 
 
 @gluon.jit

@@ -44,14 +44,20 @@ Work split as in the other Gluon decode kernels (engine/kernels/nvfp4_gluon.py, 
 `stream_steps` and epilogue `store_rows` this kernel runs): num_warps / WK warps split the rows,
 16 * RB each, WK warps split K step by step, SPLIT_K programs split K in one launch; two K steps in
 flight per warp; rows past N and tokens past M re-read the last one, so the loop has no masks.
+
+RMSNorm hand-off (NORM_OUT / NORM_IN, not with the SwiGLU epilogue): the kernel is the GEMM before
+or after a norm that runs in their epilogues instead of its own launch (the protocol:
+engine/kernels/stream_triton.py). Its partial sums are loaded before the K loop and summed in the
+epilogue.
 """
 from __future__ import annotations
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from engine.kernels.nvfp4_gluon import store_rows, stream_steps
+from engine.kernels.nvfp4_gluon import load_parts, store_rows, stream_steps
 from engine.kernels.split_k import split_k_buffers
 
 _MMA_SP = gl.constexpr(
@@ -184,22 +190,29 @@ def _unscaled(total, scale_ptr, rows, N):
 
 @gluon.jit
 def store_rows_scaled(acc, HAS_SCALE: gl.constexpr, scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr,
-                      count_ptr, BLOCK_N: gl.constexpr, MP: gl.constexpr, SPLIT_K: gl.constexpr):
-    """store_rows, times scale[N] when HAS_SCALE (per-output-channel scales)."""
+                      count_ptr, BLOCK_N: gl.constexpr, MP: gl.constexpr, SPLIT_K: gl.constexpr,
+                      NORM_IN: gl.constexpr = False, NORM_OUT: gl.constexpr = False, parts_in=None, eps=0.0,
+                      K: gl.constexpr = 1, parts_ptr=None, g_ptr=None, xg_ptr=None):
+    """store_rows (with its RMSNorm hand-off), times scale[N] when HAS_SCALE (per-output-channel
+    scales)."""
     if HAS_SCALE:
         store_rows(_times_row_scale, acc, scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr,
-                   count_ptr, BLOCK_N, MP, SPLIT_K)
+                   count_ptr, BLOCK_N, MP, SPLIT_K, 0, NORM_IN, NORM_OUT, parts_in, eps, K, parts_ptr,
+                   g_ptr, xg_ptr)
     else:
         store_rows(_unscaled, acc, scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr,
-                   count_ptr, BLOCK_N, MP, SPLIT_K)
+                   count_ptr, BLOCK_N, MP, SPLIT_K, 0, NORM_IN, NORM_OUT, parts_in, eps, K, parts_ptr,
+                   g_ptr, xg_ptr)
 
 
 @gluon.jit(do_not_specialize=["M"])
 def sparse24_sp_kernel(
     x_ptr, words_ptr, meta_ptr, scale_ptr, out_ptr, acc_ptr, count_ptr,
+    parts_ptr, g_ptr, xg_ptr, n_parts, eps,
     M, N, stride_xm, stride_om, K: gl.constexpr,
     BLOCK_N: gl.constexpr, WPT: gl.constexpr, MP: gl.constexpr, WK: gl.constexpr,
     SPLIT_K: gl.constexpr, HAS_SCALE: gl.constexpr, SWIGLU: gl.constexpr = False,
+    NORM_IN: gl.constexpr = False, NORM_OUT: gl.constexpr = False, PARTS: gl.constexpr = 1,
 ):
     """y[M, N] = x @ W^T (times scale[N]) for M <= MP (8 or 16); BLOCK_N = 16 * RB * num_warps / WK
     (RB blocks of 16 rows per row warp, which reuse its x registers). words_ptr: the kept values
@@ -208,7 +221,9 @@ def sparse24_sp_kernel(
     SWIGLU: W is a fused gate/up projection (rows [0, N/2) gate, [N/2, N) up, N/2 a multiple of
     16) and y [M, N/2] = silu(gate) * up. A program takes BLOCK_N / 2 gate rows and the same up
     rows, its row blocks alternating gate, up, so that each thread holds both of an output in
-    registers (RB even, SPLIT_K = 1); the product is formed before the one store."""
+    registers (RB even, SPLIT_K = 1); the product is formed before the one store.
+    NORM_IN / NORM_OUT (no SwiGLU): the RMSNorm hand-off's consumer or producer, as
+    engine/kernels/nvfp4_gluon.py's `store_rows` runs them."""
     WN: gl.constexpr = gl.num_warps() // WK
     NB: gl.constexpr = BLOCK_N // 16
     RB: gl.constexpr = NB // WN
@@ -253,11 +268,13 @@ def sparse24_sp_kernel(
     x_ptrs = x_ptr + k0 // 2 + xk * (STEP_K // 2) + tokens * stride_xm + pair + gl.zeros(
         [WK, 1, T, 8, 4, 2 * WPT], gl.int32, layout=x_layout)
 
+    parts_in = load_parts(parts_ptr, n_parts, M, PARTS, MP) if NORM_IN else None
     acc = gl.zeros([WK, NB, T, 8, 4, 4], gl.float32, layout=frag)
     # x two steps ahead, with the weights (faster here, where x is a larger share of the bytes)
     acc = stream_steps(_mma_sp_step, words_ptrs, meta_ptrs, x_ptrs, acc, STEPS, STEP_K // 2, WK, BLOCK_N,
                        WPT, MP, X_AHEAD=True, S_STEP=16 * C)
     if SWIGLU:  # row blocks (2j, 2j + 1) = (gate, up) of output block j, in one thread's registers
+        gl.static_assert(not NORM_IN and not NORM_OUT, "the norm's hand-off: no SwiGLU epilogue")
         gate, up = gl.split(acc.reshape(WK, NB // 2, 2, T, 8, 4, 4).permute(0, 1, 3, 4, 5, 6, 2))
         gate = gl.sum(gate, axis=0)
         h = gl.expand_dims(gate / (1.0 + gl.exp(-gate)) * gl.sum(up, axis=0), 0)
@@ -268,7 +285,7 @@ def sparse24_sp_kernel(
         # registers (row8, token bit 0): acc -> [WK, rows, tokens]
         acc = acc.reshape(WK, NB, T, 8, 4, 2, 2).permute(0, 1, 5, 3, 2, 4, 6).reshape(WK, BLOCK_N, MP)
         store_rows_scaled(acc, HAS_SCALE, scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr, count_ptr,
-                          BLOCK_N, MP, SPLIT_K)
+                          BLOCK_N, MP, SPLIT_K, NORM_IN, NORM_OUT, parts_in, eps, K, parts_ptr, g_ptr, xg_ptr)
 
 
 def unsupported(x, values, meta, cfg) -> str | None:
@@ -324,17 +341,39 @@ def swiglu_unsupported(x, values, meta, cfg) -> str | None:
     return None
 
 
-def launch(x, values, meta_mma, scale, cfg, out, swiglu=False):
+def launch(x, values, meta_mma, scale, cfg, out, swiglu=False, norm_out=None, row_scale=None):
     """out[M, N] = x @ W^T (times scale) with config cfg, which `unsupported` accepted; meta_mma:
-    `mma_order_meta(meta, WPT)`. swiglu: out [M, N/2] = silu(gate) * up (`swiglu_unsupported`)."""
+    `mma_order_meta(meta, WPT)`. swiglu: out [M, N/2] = silu(gate) * up (`swiglu_unsupported`).
+    The RMSNorm hand-off (engine/kernels/stream_triton.py; `store_rows` in
+    engine/kernels/nvfp4_gluon.py runs it): norm_out = (g [N], xg [M, N], parts from
+    `handoff_parts`), out the residual, added into; row_scale = (parts [G, 16] fp32, eps).
+    Neither with swiglu."""
     _, _, bn, wpt, split_k, warps, wk = cfg
     m, k = x.shape
     n = values.shape[0]
     tiles = -(-n // bn)
+    if swiglu and (norm_out is not None or row_scale is not None):
+        raise ValueError("the norm hand-off runs in the plain epilogue, not the SwiGLU one")
+    g, xg, parts = norm_out if norm_out is not None else (out, out, None)
+    parts, eps = row_scale if row_scale is not None else (parts, 0.0)
+    if norm_out is not None and (parts.shape != (tiles, 16) or xg.shape != out.shape or not out.is_contiguous()
+                                 or not xg.is_contiguous()):
+        raise ValueError(f"norm_out: parts [{tiles}, 16] and residual, xg [{m}, {n}] contiguous")
+    if row_scale is not None and (parts.dim() != 2 or parts.shape[1] != 16 or parts.dtype != torch.float32):
+        raise ValueError(f"row_scale: parts [G, 16] fp32, got {tuple(parts.shape)} {parts.dtype}")
+    n_parts = parts.shape[0] if parts is not None else 0
     acc, count = split_k_buffers(x.device, m * n, tiles) if split_k > 1 else (out, out)
     words = values.view(torch.int32)  # one per group: its two kept values
     sparse24_sp_kernel[(tiles, split_k)](
-        x.view(torch.int32), words, meta_mma, scale if scale is not None else words, out, acc, count, m, n,
+        x.view(torch.int32), words, meta_mma, scale if scale is not None else words, out, acc, count,
+        parts if parts is not None else out, g, xg, n_parts, float(eps), m, n,
         x.stride(0) // 2, out.stride(0), K=k, BLOCK_N=bn, WPT=wpt, MP=8 if m <= 8 else 16, WK=wk,
-        SPLIT_K=split_k, HAS_SCALE=scale is not None, SWIGLU=swiglu, num_warps=warps)
+        SPLIT_K=split_k, HAS_SCALE=scale is not None, SWIGLU=swiglu, NORM_IN=row_scale is not None,
+        NORM_OUT=norm_out is not None, PARTS=triton.next_power_of_2(n_parts) if row_scale is not None else 1,
+        num_warps=warps)
     return out
+
+
+def handoff_parts(n: int, block_n: int, device) -> torch.Tensor:
+    """The partial sums a hand-off producer of N rows in tiles of block_n writes: one row per tile."""
+    return torch.empty(-(-n // block_n), 16, device=device, dtype=torch.float32)

@@ -10,16 +10,21 @@ configuration's SPLIT_K x BLOCK_K. `stream_config` is the launch rule for both w
 bytes per weight), `stream_configs` what the dense tuner times around it (engine/formats/dense.py
 lists the kernel against cuBLAS).
 
-The RMSNorm hand-off, which takes the norm between two decode GEMMs out of its own launch (16-bit
-weights; models/llama.py uses it where both GEMMs run this kernel):
-- `stream_matmul_norm_out(x, w, residual, g, xg, parts)`, the GEMM before the norm (o_proj, down):
-  residual += x @ w^T in place, xg = residual * g (the norm's weight), and per 64 output columns
-  each token's sum of squares of the new residual (`parts`, [N / 64, 16] fp32: no atomics, no
-  zeroing, the same sums every run).
-- `stream_matmul_row_scaled(xg, w, parts, eps)`, the GEMM after it (q/k/v, gate/up with SwiGLU):
-  sums its parts into each token's mean square and scales the token's fp32 products by
-  rsqrt(mean + eps) before the epilogue. RMSNorm(h) * g @ w^T = (h * g @ w^T) / rms(h): nothing
-  is added to the weight loop (measured: any work on x there slows the stream more than a launch).
+The RMSNorm hand-off, which takes the norm between two decode GEMMs out of its own launch
+(models/llama.py uses it where both GEMMs' formats can, `WeightFormat.norm_handoff`). The
+protocol, which every kernel that takes part follows (this one with 16-bit weights, the 2:4
+sparse-MMA kernel of engine/kernels/sparse24_gluon.py), so that the two GEMMs may be of different
+formats (the 2:4 FFN beside the dense attention projections):
+- The GEMM before the norm (o_proj, down) adds its product into the residual in place (rounded
+  once), writes xg = residual * g (the norm's weight), and `parts` [G, 16] fp32: row i the sums of
+  squares of the new residual over the producer's i-th group of output columns, column t token t
+  (G and the groups are the producer's: its row tiles; no atomics, no zeroing, the same sums
+  every run; columns past M undefined). Here `stream_matmul_norm_out`, 64-column groups.
+- The GEMM after it (q/k/v, gate/up with SwiGLU) takes xg as x, sums all G rows of parts into each
+  token's mean square, and scales the token's fp32 products by rsqrt(mean + eps) before its
+  epilogue: RMSNorm(h) * g @ w^T = (h * g @ w^T) / rms(h). Here `stream_matmul_row_scaled`.
+Nothing is added to the weight loop (measured: any work on x there slows the stream more than a
+launch).
 Numerics against the norm kernel: the residual is rounded once (acc + residual) instead of twice,
 and 1 / rms multiplies the fp32 product instead of x before its bf16 rounding.
 
@@ -73,9 +78,17 @@ def _dot(w, xt, acc, E4M3: tl.constexpr, NATIVE: tl.constexpr):
     return tl.dot(w.to(tl.float32), xt.to(tl.float32), acc)
 
 
-@jit(do_not_specialize=["M"])   # one binary for every M up to 16
+@jit
+def _load_parts(part_ptr, n_parts, M, PARTS: tl.constexpr):
+    """The hand-off's partial sums [n_parts, 16] as [PARTS, 16] (zeros past n_parts and M)."""
+    groups, cols = tl.arange(0, PARTS), tl.arange(0, 16)
+    return tl.load(part_ptr + groups[:, None] * 16 + cols[None, :],
+                   mask=(groups < n_parts)[:, None] & (cols < M)[None, :], other=0.0)
+
+
+@jit(do_not_specialize=["M", "n_parts"])   # one binary for every M up to 16
 def _stream_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, res_ptr, out_ptr, acc_ptr, count_ptr,
-                   g_ptr, xg_ptr, part_ptr, part_in_ptr, eps,
+                   g_ptr, xg_ptr, part_ptr, part_in_ptr, n_parts, eps,
                    M, N, stride_xm, stride_om, K: tl.constexpr, SPLIT_K: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr,
                    E4M3: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_OUT: tl.constexpr,
@@ -85,8 +98,8 @@ def _stream_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, res_ptr, out_ptr, acc
     ([M, 2N]). E4M3: e4m3 operands, scaled in the epilogue by x_scale[m] * w_scale[n].
     HAS_RESIDUAL: a residual [M, N] (out's row stride) added last. NORM_OUT (with the residual):
     also x * g to xg_ptr and the 64-row groups' sums of squares to part_ptr [N / 64, 16]. ROW_SCALE:
-    each token's sums scaled by rsqrt(sum of part_in_ptr [K / 64, 16] / K + eps) first (PARTS: K / 64
-    rounded up to a power of two). NATIVE: the GPU's dot on the operands as stored, else widened
+    each token's sums scaled by rsqrt(sum of part_in_ptr [n_parts, 16] / K + eps) first (PARTS:
+    n_parts rounded up to a power of two). NATIVE: the GPU's dot on the operands as stored, else widened
     first (the interpreter)."""
     tl.static_assert(not (SWIGLU and (E4M3 or HAS_RESIDUAL)), "SwiGLU: 16-bit weights, no residual")
     tl.static_assert(not NORM_OUT or (HAS_RESIDUAL and not E4M3), "the norm's hand-off: 16-bit, residual")
@@ -96,10 +109,12 @@ def _stream_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, res_ptr, out_ptr, acc
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, 16)
     ks = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
-    if ROW_SCALE:   # loaded before the weight loop: the kernel before this one wrote them
-        groups_in = tl.arange(0, PARTS)
-        parts = tl.load(part_in_ptr + groups_in[:, None] * 16 + cols[None, :],
-                        mask=(groups_in < K // 64)[:, None], other=0.0)
+    # The hand-off's partial sums are loaded before the weight loop (the kernel before this one
+    # wrote them), unless there are more than 64 rows of them (a producer of narrower tiles): then
+    # after it, rather than hold their registers through it.
+    PARTS_EARLY: tl.constexpr = PARTS <= 64
+    if ROW_SCALE and PARTS_EARLY:
+        parts = _load_parts(part_in_ptr, n_parts, M, PARTS)
     w_ptrs = w_ptr + tl.minimum(rows, N - 1)[:, None].to(tl.int64) * K + ks[None, :]
     x_ptrs = x_ptr + cols[:, None] * stride_xm + ks[None, :]
     acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
@@ -130,6 +145,8 @@ def _stream_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, res_ptr, out_ptr, acc
             x_scale = tl.load(x_scale_ptr + cols, mask=cols < M, other=0.0)
             acc = acc * tl.load(w_scale_ptr + tl.minimum(rows, N - 1))[:, None] * x_scale[None, :]
         if ROW_SCALE:
+            if not PARTS_EARLY:
+                parts = _load_parts(part_in_ptr, n_parts, M, PARTS)
             rstd = tl.rsqrt(tl.sum(parts, axis=0) / K + eps)
             acc = acc * rstd[None, :]
             if SWIGLU:
@@ -157,9 +174,9 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, swigl
     """One launch of the kernel on checked operands: x [M, K] (unit stride along K), w [N, K]
     contiguous (2N rows with swiglu), out [M, N] with unit stride along N; e4m3 x and w come with
     their fp32 scales; residual [M, N] with out's strides (it may be out). norm_out = (g [N], xg
-    [M, N] with out's strides, partial sums [N / 64, 16] fp32) and row_scale = (partial sums
-    [K / 64, 16], eps): the RMSNorm hand-off (module docstring). cfg: BLOCK_N, BLOCK_K, SPLIT_K,
-    num_stages, num_warps; its K split is checked here, for both entry points."""
+    [M, N] with out's strides, partial sums [N / 64, 16] fp32) and row_scale = (any producer's
+    partial sums [G, 16], eps): the RMSNorm hand-off (module docstring). cfg: BLOCK_N, BLOCK_K,
+    SPLIT_K, num_stages, num_warps; its K split is checked here, for both entry points."""
     m, k = x.shape
     n = out.shape[1]
     split = cfg["SPLIT_K"]
@@ -172,12 +189,13 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, swigl
     e4m3 = x_scale is not None
     g, xg, part = norm_out if norm_out is not None else (out, out, out)
     part_in, eps = row_scale if row_scale is not None else (out, 0.0)
+    n_parts = part_in.shape[0] if row_scale is not None else 0
     _stream_kernel[(tiles, split)](
         x, w, x_scale if e4m3 else out, w_scale if e4m3 else out, residual if residual is not None else out,
-        out, acc, count, g, xg, part, part_in, eps, m, n, x.stride(0), out.stride(0), K=k, SPLIT_K=split,
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SWIGLU=swiglu, E4M3=e4m3,
+        out, acc, count, g, xg, part, part_in, n_parts, eps, m, n, x.stride(0), out.stride(0), K=k,
+        SPLIT_K=split, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SWIGLU=swiglu, E4M3=e4m3,
         HAS_RESIDUAL=residual is not None, NORM_OUT=norm_out is not None, ROW_SCALE=row_scale is not None,
-        PARTS=triton.next_power_of_2(k // 64) if row_scale is not None else 1, NATIVE=not interpreting(),
+        PARTS=triton.next_power_of_2(n_parts) if row_scale is not None else 1, NATIVE=not interpreting(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
@@ -284,9 +302,8 @@ def stream_matmul_row_scaled(x: torch.Tensor, w: torch.Tensor, parts: torch.Tens
     token's product is scaled by rsqrt(mean of its squares + eps) before the (SwiGLU) epilogue:
     RMSNorm(h) * g @ w^T with the norm's 1 / rms applied to the fp32 sums."""
     n, cfg = _checked(x, w, config, swiglu)
-    k = x.shape[1]
-    if parts.shape != (k // 64, 16) or parts.dtype != torch.float32:
-        raise ValueError(f"parts: [{k // 64}, 16] fp32 for K={k}, got {tuple(parts.shape)} {parts.dtype}")
+    if parts.dim() != 2 or parts.shape[1] != 16 or parts.dtype != torch.float32:
+        raise ValueError(f"parts: [G, 16] fp32, got {tuple(parts.shape)} {parts.dtype}")
     out = torch.empty(x.shape[0], n, device=x.device, dtype=x.dtype)
     return launch(x, w, out, cfg, swiglu, row_scale=(parts, float(eps)))
 
