@@ -1,6 +1,7 @@
 """Checks of the RMSNorm hand-off's two GEMMs (engine/kernels/stream_triton.py states the protocol),
-shared by the GPU tests of the NVFP4 and 2:4 Gluon decode kernels: each against float64 from its
-own inputs, on poisoned outputs."""
+shared by the tests of the kernels that take part (the streaming kernel's under the interpreter,
+the 2:4 sparse-MMA kernel's on the GPU): each against float64 from its own inputs, on poisoned
+outputs."""
 from __future__ import annotations
 
 import torch

@@ -121,19 +121,13 @@ def test_row_scaled_takes_any_producers_parts(m, group):
     """The GEMM after a handed-off norm reads whatever G rows of partial sums the GEMM before wrote
     (another format's kernel groups its own row tiles): 20 rows, loaded before the weight loop, or
     80, loaded after it. The columns past M hold NaN: they must not reach the rows stored."""
+    from tests.handoff import check_row_scaled, random_parts
     torch.manual_seed(m + group)
     n, k, eps = 320, 192, 1e-5
-    h = torch.randn(m, n, device=DEVICE, dtype=torch.bfloat16)
-    g = (1 + 0.2 * torch.randn(n, device=DEVICE)).to(torch.bfloat16)
-    xg = (h.double() * g.double()).to(torch.bfloat16)
-    parts = torch.full((n // group, 16), float("nan"), device=DEVICE)
-    parts[:, :m] = (h.double() ** 2).view(m, n // group, group).sum(-1).t().float()
+    h, g, xg, parts = random_parts(m, n, group, DEVICE)
     w = (torch.randn(k, n, device=DEVICE) / n ** 0.5).to(torch.bfloat16)
     y = stream_triton.stream_matmul_row_scaled(xg, w, parts, eps, (64, 64, 1, 2))
-    assert not y.isnan().any()
-    hd = h.double()
-    normed = hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + eps) * g.double()
-    assert rel_err(y, reference(normed, w, False)) < 3 * TOL[torch.bfloat16]
+    check_row_scaled(y, h, g, w.double(), eps, False, tol=3 * TOL[torch.bfloat16])
 
 
 def test_stream_matmul_refuses_what_it_cannot_take():
