@@ -157,7 +157,7 @@ class StepGraphs:
         if i == 0:
             x, residual = m.embed_tokens(self.input_ids[:t]), None
         else:
-            nxt = m.layers[i] if i < len(m.layers) and not m.layers[i].streamed else None
+            nxt = m.layers[i] if i < len(m.layers) else None
             x, residual = m.layers[i - 1].after_attention(self.attn_out[:t], self.residual[:t], nxt)
         if i < len(m.layers):
             m.layers[i].attention_inputs(x, residual, self.positions[:t], batch, m.inv_freq,

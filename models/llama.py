@@ -265,22 +265,24 @@ class LlamaDecoderLayer(nn.Module):
         input, or `NormedRows` of the residual (the previous layer's down_proj handed this norm
         off). qkv_out and residual_out: where the attention's inputs and the residual stream go
         (the step graphs' static buffers)."""
-        quant = None if isinstance(x, NormedRows) else self.self_attn.qkv_proj.input_quant(x.shape[0])
         if isinstance(x, NormedRows):
             h = x
             if residual_out is not None and residual_out.data_ptr() != residual.data_ptr():
                 residual = residual_out.copy_(residual)
-        elif residual is None:
-            residual = x if residual_out is None else residual_out.copy_(x)
-            h = self.input_layernorm(x, quant=quant)
         else:
-            h, residual = self.input_layernorm(x, residual, quant, residual_out=residual_out)
+            quant = self.self_attn.qkv_proj.input_quant(x.shape[0])
+            if residual is None:
+                residual = x if residual_out is None else residual_out.copy_(x)
+                h = self.input_layernorm(x, quant=quant)
+            else:
+                h, residual = self.input_layernorm(x, residual, quant, residual_out=residual_out)
         return (*self.self_attn.project(h, positions, batch, inv_freq, qkv_out), residual)
 
     def after_attention(self, o, residual, next_layer=None):
         """o_proj, the post-attention norm and the MLP: (the MLP's output, residual). With
         next_layer, the output may be `NormedRows` (next_layer's input norm handed off); residual
-        may then be updated in place."""
+        may then be updated in place. Never into a streamed layer (engine/streams/offload.py): its
+        norm weight exists on the device only while it runs itself."""
         attn, mlp = self.self_attn, self.mlp
         m = o.shape[0]
         o = o.reshape(m, attn.q_size)
@@ -290,8 +292,8 @@ class LlamaDecoderLayer(nn.Module):
         else:
             h, residual = self.post_attention_layernorm(attn.output(o), residual, mlp.gate_up_proj.input_quant(m))
             act = mlp.activation(h)
-        if next_layer is not None and norm_handoff(mlp.down_proj, next_layer.self_attn.qkv_proj,
-                                                   next_layer.input_layernorm, residual, m, swiglu=False):
+        if next_layer is not None and not next_layer.streamed and norm_handoff(
+                mlp.down_proj, next_layer.self_attn.qkv_proj, next_layer.input_layernorm, residual, m, swiglu=False):
             return NormedRows.after(mlp.down_proj, act, residual, next_layer.input_layernorm), residual
         return mlp.down(act), residual
 
@@ -325,8 +327,7 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for i, layer in enumerate(self.layers):
             nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
-            x, residual = layer(x, residual, positions, batch, self.inv_freq,
-                                None if nxt is None or nxt.streamed else nxt)
+            x, residual = layer(x, residual, positions, batch, self.inv_freq, nxt)
         x, _ = self.norm(x, residual)
         return x
 

@@ -338,7 +338,7 @@ def test_gpu_sparse_mma_norm_handoff(m):
     # Sparse24Weight, which takes part where its GEMM is the sparse-MMA kernel, for a fused gate/up
     # only where the SwiGLU kernel follows (the SwiGLU epilogue would apply the row scale too late).
     from engine.kernels import sparse24_gluon as sp
-    from engine.kernels.sparse24_gluon import handoff_parts
+    from engine.kernels.stream_triton import norm_parts
     from tests.handoff import check_norm_out, check_row_scaled, random_parts
     if not _sm90():
         pytest.skip("sm_90 kernel")
@@ -371,7 +371,7 @@ def test_gpu_sparse_mma_norm_handoff(m):
     norm_weight = (1 + 0.2 * torch.randn(4096, device="cuda")).to(torch.bfloat16)
     h = residual.clone()
     xg, parts = down.norm_out_forward(x, h, norm_weight)
-    assert parts.shape == handoff_parts(4096, down._handoff_config(m, False)[2], "cuda").shape
+    assert parts.shape == norm_parts(4096, "cuda", group=down._handoff_config(m, False)[2]).shape
     assert rel_err(h, fp64_ref(x, down_w) + residual.double()) < 8e-3
     if not fused_swiglu:
         check_row_scaled(gate_up.row_scaled_forward(xg, parts, eps, swiglu=True), h, norm_weight,

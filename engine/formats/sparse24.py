@@ -380,9 +380,9 @@ class Sparse24Weight(_Sparse24Base):
         return self._handoff_config(m, swiglu) is not None
 
     def norm_out_forward(self, x, residual, norm_weight):
-        from engine.kernels.sparse24_gluon import handoff_parts
+        from engine.kernels.stream_triton import norm_parts
         config = self._handoff_config(x.shape[0], False)
-        xg, parts = torch.empty_like(residual), handoff_parts(self.out_features, config[2], x.device)
+        xg, parts = torch.empty_like(residual), norm_parts(self.out_features, x.device, group=config[2])
         _run_gluon(x.contiguous(), self, config, out=residual, norm_out=(norm_weight, xg, parts))
         return xg, parts
 

@@ -59,6 +59,7 @@ from triton.experimental.gluon import language as gl
 
 from engine.kernels.nvfp4_gluon import load_parts, store_rows, stream_steps
 from engine.kernels.split_k import split_k_buffers
+from engine.kernels.stream_triton import check_parts
 
 _MMA_SP = gl.constexpr(
     "mma.sp.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32 "
@@ -346,8 +347,8 @@ def launch(x, values, meta_mma, scale, cfg, out, swiglu=False, norm_out=None, ro
     `mma_order_meta(meta, WPT)`. swiglu: out [M, N/2] = silu(gate) * up (`swiglu_unsupported`).
     The RMSNorm hand-off (engine/kernels/stream_triton.py; `store_rows` in
     engine/kernels/nvfp4_gluon.py runs it): norm_out = (g [N], xg [M, N], parts from
-    `handoff_parts`), out the residual, added into; row_scale = (parts [G, 16] fp32, eps).
-    Neither with swiglu."""
+    `norm_parts(N, device, BLOCK_N)`), out the residual, added into; row_scale = (parts [G, 16]
+    fp32, eps). Neither with swiglu."""
     _, _, bn, wpt, split_k, warps, wk = cfg
     m, k = x.shape
     n = values.shape[0]
@@ -356,11 +357,12 @@ def launch(x, values, meta_mma, scale, cfg, out, swiglu=False, norm_out=None, ro
         raise ValueError("the norm hand-off runs in the plain epilogue, not the SwiGLU one")
     g, xg, parts = norm_out if norm_out is not None else (out, out, None)
     parts, eps = row_scale if row_scale is not None else (parts, 0.0)
-    if norm_out is not None and (parts.shape != (tiles, 16) or xg.shape != out.shape or not out.is_contiguous()
-                                 or not xg.is_contiguous()):
-        raise ValueError(f"norm_out: parts [{tiles}, 16] and residual, xg [{m}, {n}] contiguous")
-    if row_scale is not None and (parts.dim() != 2 or parts.shape[1] != 16 or parts.dtype != torch.float32):
-        raise ValueError(f"row_scale: parts [G, 16] fp32, got {tuple(parts.shape)} {parts.dtype}")
+    if norm_out is not None:
+        if xg.shape != out.shape or not out.is_contiguous() or not xg.is_contiguous():
+            raise ValueError(f"norm_out: residual and xg [{m}, {n}] contiguous")
+        check_parts(parts, tiles)
+    if row_scale is not None:
+        check_parts(parts)
     n_parts = parts.shape[0] if parts is not None else 0
     acc, count = split_k_buffers(x.device, m * n, tiles) if split_k > 1 else (out, out)
     words = values.view(torch.int32)  # one per group: its two kept values
@@ -372,8 +374,3 @@ def launch(x, values, meta_mma, scale, cfg, out, swiglu=False, norm_out=None, ro
         NORM_OUT=norm_out is not None, PARTS=triton.next_power_of_2(n_parts) if row_scale is not None else 1,
         num_warps=warps)
     return out
-
-
-def handoff_parts(n: int, block_n: int, device) -> torch.Tensor:
-    """The partial sums a hand-off producer of N rows in tiles of block_n writes: one row per tile."""
-    return torch.empty(-(-n // block_n), 16, device=device, dtype=torch.float32)

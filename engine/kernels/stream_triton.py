@@ -275,9 +275,18 @@ def stream_matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
     return launch(x, w, out, cfg, swiglu)
 
 
-def norm_parts(n: int, device: torch.device) -> torch.Tensor:
-    """The buffer a hand-off's partial sums of squares go to: [ceil(N / 64), 16] fp32."""
-    return torch.empty(triton.cdiv(n, 64), 16, device=device, dtype=torch.float32)
+def norm_parts(n: int, device: torch.device, group: int = 64) -> torch.Tensor:
+    """The buffer a hand-off producer of N output columns in groups of `group` (its row tiles; this
+    kernel's 64) writes its partial sums of squares to: [ceil(N / group), 16] fp32."""
+    return torch.empty(triton.cdiv(n, group), 16, device=device, dtype=torch.float32)
+
+
+def check_parts(parts: torch.Tensor, groups: int | None = None) -> None:
+    """ValueError unless parts is a hand-off's partial sums: [G, 16] fp32 (G = groups where given)."""
+    if parts.dim() != 2 or parts.shape[1] != 16 or parts.dtype != torch.float32 or \
+            groups is not None and parts.shape[0] != groups:
+        raise ValueError(f"parts: [{'G' if groups is None else groups}, 16] fp32 (norm_parts), got "
+                         f"{tuple(parts.shape)} {parts.dtype}")
 
 
 def stream_matmul_norm_out(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, g: torch.Tensor,
@@ -290,9 +299,9 @@ def stream_matmul_norm_out(x: torch.Tensor, w: torch.Tensor, residual: torch.Ten
     for name, t in (("residual", residual), ("xg", xg)):
         if t.shape != (m, n) or t.dtype != x.dtype or not t.is_contiguous():
             raise ValueError(f"{name}: [{m}, {n}] {x.dtype} contiguous, got {tuple(t.shape)} {t.dtype}")
-    if g.shape != (n,) or parts.shape != (triton.cdiv(n, 64), 16) or parts.dtype != torch.float32:
-        raise ValueError(f"g [{n}] and parts [{triton.cdiv(n, 64)}, 16] fp32, got {tuple(g.shape)} and "
-                         f"{tuple(parts.shape)} {parts.dtype}")
+    if g.shape != (n,):
+        raise ValueError(f"g: [{n}], got {tuple(g.shape)}")
+    check_parts(parts, triton.cdiv(n, 64))
     launch(x, w, residual, cfg, residual=residual, norm_out=(g, xg, parts))
 
 
@@ -302,8 +311,7 @@ def stream_matmul_row_scaled(x: torch.Tensor, w: torch.Tensor, parts: torch.Tens
     token's product is scaled by rsqrt(mean of its squares + eps) before the (SwiGLU) epilogue:
     RMSNorm(h) * g @ w^T with the norm's 1 / rms applied to the fp32 sums."""
     n, cfg = _checked(x, w, config, swiglu)
-    if parts.dim() != 2 or parts.shape[1] != 16 or parts.dtype != torch.float32:
-        raise ValueError(f"parts: [G, 16] fp32, got {tuple(parts.shape)} {parts.dtype}")
+    check_parts(parts)
     out = torch.empty(x.shape[0], n, device=x.device, dtype=x.dtype)
     return launch(x, w, out, cfg, swiglu, row_scale=(parts, float(eps)))
 
