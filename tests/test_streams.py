@@ -443,6 +443,10 @@ def test_gpu_streamed_layers_match_resident():
     model.layers[3].mlp.down_proj.convert("2:4")     # metadata they read (buffers of the backend) stream too
     batch = build_prefill_only([torch.randint(0, 1000, (n,)).tolist() for n in (9, 33, 4)], dev)
     small = build_prefill_only([torch.randint(0, 1000, (n,)).tolist() for n in (5, 3, 4)], dev)
+    # No norm hands off into a streamed layer (test_no_norm_is_handed_into_a_streamed_layer): the
+    # resident reference is told which layers will stream, so that it runs the same kernels.
+    for i in (1, 2, 3):
+        model.layers[i].streamed = True
     ref = model(batch.input_ids, batch.positions, batch).float()
     ref_small = model(small.input_ids, small.positions, small).float()
     sparse = model.layers[3].mlp.gate_up_proj.backend
