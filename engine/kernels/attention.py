@@ -574,8 +574,9 @@ def _gluon_decode_fits(p: Problem) -> str | None:
         return "needs sm_89+ (e4m3 conversion in hardware)"
     if interp or triton is None:
         return "Gluon runs on the GPU only"
-    if dtype not in (torch.bfloat16, torch.float16) or p.k != 128 or page != 16 or group > 8:
-        return "takes 16-bit q, heads of 128, pages of 16 and at most 8 query heads per KV head"
+    from engine.kernels.attention_gluon import MAX_GROUP
+    if dtype not in (torch.bfloat16, torch.float16) or p.k != 128 or page != 16 or group > MAX_GROUP:
+        return f"takes 16-bit q, heads of 128, pages of 16 and at most {MAX_GROUP} query heads per KV head"
     return None
 
 
