@@ -195,6 +195,26 @@ def test_attention_off_the_gpu_and_the_reasons_logged_once(monkeypatch, caplog):
     assert "triton" in lines[0] and "gluon_fp8_cache: needs sm_89+" in lines[0], lines[0]
 
 
+def test_gluon_candidates_step_aside_where_triton_lacks_gluon(monkeypatch, caplog):
+    """With a Triton whose Gluon the kernels cannot use (engine/kernels/platform.py gluon_missing),
+    every Gluon candidate says why and the next kernel of its list runs: the NVFP4 decode and its
+    SwiGLU epilogue, the 2:4 sparse-MMA kernel and its SwiGLU epilogue, the FP8-cache attention."""
+    from engine.kernels import attention, platform
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert platform.gluon_missing() is None      # this machine's Triton has it: the kernels' own tests compile them
+    monkeypatch.setattr(platform, "_gluon_import_error", lambda: "Triton 0.0 lacks the Gluon API")
+    nv, sp = (BF16, True), (BF16, BF16, True, True)
+    with caplog.at_level(logging.INFO, logger="microengine.kernels"):
+        assert chosen(nvfp4.NVFP4_GEMM, "nvfp4_gemm", 1, 28672, 4096, (9, 0), nv) == "triton_decode"
+    assert chosen(nvfp4.NVFP4_SWIGLU, "nvfp4_swiglu", 1, 28672, 4096, (9, 0), nv) == "separate"
+    assert chosen(sparse24.SPARSE24_GEMM, "sparse24_gemm", 1, 28672, 4096, (9, 0), sp) == "cusparselt"
+    assert chosen(sparse24.SPARSE24_SWIGLU, "sparse24_swiglu", 1, 28672, 4096, (9, 0), sp) == "separate"
+    with fake_capability((9, 0)):
+        assert attention.decode_kernel(_rows(1, 32, 128, BF16), _cache(16, 8), True).name == "triton"
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("nvfp4_gemm")]
+    assert len(lines) == 1 and "gluon_decode: Triton 0.0 lacks the Gluon API" in lines[0], lines
+
+
 @pytest.mark.parametrize("tokens,seqs,max_prefix,max_len,dtype,cap,want", [
     (64 * 128, 64, 0, 128, BF16, (9, 0), "flash_attention_2"),
     (4 * 256 - 1, 4, 0, 700, FP16, (8, 0), "flash_attention_2"),

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from engine.formats.base import WeightFormat
 from engine.formats.fp8 import fp8_linear, fp8_linear_reference, quantize_act_fp8, quantize_rows_fp8
 from engine.kernels import nvfp4_triton
-from engine.kernels.platform import capability, cute_available
+from engine.kernels.platform import capability, cute_available, gluon_missing
 from engine.kernels.select import Choice, Kernel, Problem, select
 
 E2M1_MAX = 6.0
@@ -236,7 +236,8 @@ def _decodable(p: Problem) -> str | None:
 
 
 def _gluon_decodable(p: Problem) -> str | None:
-    return _decodable(p) or ("a tiled weight needs K % 128 == 0" if p.detail[1] and p.k % 128 else None)
+    return (gluon_missing() or _decodable(p)
+            or ("a tiled weight needs K % 128 == 0" if p.detail[1] and p.k % 128 else None))
 
 
 def _gluon_decode(x, w, config=None):

@@ -35,6 +35,7 @@ import torch
 
 from engine.formats.base import WeightFormat
 from engine.formats.fp8 import quantize_act_fp8, quantize_rows_fp8
+from engine.kernels.platform import capability, gluon_missing
 from engine.kernels.select import Kernel, Problem, m_bucket, runnable, select
 
 # ----------------------------------------------------------------------------- pruning
@@ -167,6 +168,8 @@ def _gluon_configs(p: Problem) -> list:
 
 def _gluon_check(p: Problem) -> str | None:
     values_dtype, x_dtype, library, mma_order = p.detail
+    if gluon_missing():
+        return gluon_missing()
     if values_dtype != torch.bfloat16 or x_dtype != torch.bfloat16:
         return "bf16 values and activations only"
     if not mma_order:
@@ -335,7 +338,6 @@ class Sparse24Weight(_Sparse24Base):
 
     def __init__(self, t: Sparse24Tensor):
         super().__init__(t)
-        from engine.kernels.platform import capability
         from engine.kernels.sparse24_libs import cslt_compress
         self.dtype = t.values.dtype
         self.scale = None
@@ -345,7 +347,8 @@ class Sparse24Weight(_Sparse24Base):
         cap = capability(t.values.device)
         for wpt in MMA_ORDER_WPTS:  # the sparse-MMA kernel's metadata, built with the weight so that
             meta = None             # the KV cache is sized after it
-            if cap is not None and cap[0] == 9 and self.dtype == torch.bfloat16 and (t.shape[1] // 8) % (2 * wpt) == 0:
+            if (cap is not None and cap[0] == 9 and self.dtype == torch.bfloat16
+                    and (t.shape[1] // 8) % (2 * wpt) == 0 and not gluon_missing()):
                 from engine.kernels.sparse24_gluon import mma_order_meta
                 meta = mma_order_meta(t.meta, wpt)
             self.register_buffer(f"meta_mma_{wpt}", meta)
@@ -399,7 +402,6 @@ class Sparse24Fp8Weight(_Sparse24Base):
 
     def __init__(self, t: Sparse24Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16):
         super().__init__(t)
-        from engine.kernels.platform import capability
         from engine.kernels.sparse24_libs import torchao_compress
         self.dtype = dtype
         self.register_buffer("scale", scale.float().contiguous())

@@ -46,7 +46,8 @@ import functools
 import torch
 
 from engine.kernels.norms import e4m3_scale, quantize_e4m3
-from engine.kernels.platform import capability, interpreting, jit, output_buffer, sm_count, triton_runs
+from engine.kernels.platform import (capability, gluon_missing, interpreting, jit, output_buffer, sm_count,
+                                     triton_runs)
 from engine.kernels.rope import (apply_rope_ref, check_cache, check_kv_scales, dequantize_kv_ref, rope_cos_sin,
                                  rope_rotate, write_kv_ref)
 from engine.kernels.select import Kernel, Problem, select
@@ -574,6 +575,8 @@ def _gluon_decode_fits(p: Problem) -> str | None:
         return "needs sm_89+ (e4m3 conversion in hardware)"
     if interp or triton is None:
         return "Gluon runs on the GPU only"
+    if gluon_missing():
+        return gluon_missing()
     from engine.kernels.attention_gluon import MAX_GROUP
     if dtype not in (torch.bfloat16, torch.float16) or p.k != 128 or page != 16 or group > MAX_GROUP:
         return f"takes 16-bit q, heads of 128, pages of 16 and at most {MAX_GROUP} query heads per KV head"

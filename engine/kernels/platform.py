@@ -10,6 +10,9 @@ library questions for every kernel and every selection.
   falls back to an H100 SXM's 132 where no GPU answers.
 - `jit(fn)`: triton.jit where Triton is installed, else fn unchanged, so a module of kernels imports
   on a machine without Triton and its references still run.
+- `cute_available()` / `gluon_missing()`: whether CuTe DSL is installed, and why the Gluon kernels
+  cannot be built with this Triton (None where they can): the selection checks of those kernels
+  ask, so that their lists fall through to the next kernel.
 - `capture(graph, pool)`: torch.cuda.graph for graphs that launch Triton kernels, under either of
   torch's allocators (see its docstring for what cudaMallocAsync needs).
 - `activation_empty(m, k, dtype, device)` / `storage_rows(t)`: FP8 activations whose storage holds
@@ -135,6 +138,25 @@ def _sm_count(index: int) -> int:
 def cute_available() -> bool:
     """Whether nvidia-cutlass-dsl (CuTe DSL) is installed; optional on CPU-only machines."""
     return importlib.util.find_spec("cutlass") is not None
+
+
+def gluon_missing() -> str | None:
+    """Why the Gluon kernels (engine/kernels/*_gluon.py) cannot be built with this Triton, or None.
+    Triton releases before its Gluon dialect (or with an older one) lack the modules and layouts
+    they import; their candidates then say so and the next one in each list runs."""
+    return _gluon_import_error()
+
+
+@functools.cache
+def _gluon_import_error() -> str | None:
+    if triton is None:
+        return "Triton is not installed"
+    try:
+        import engine.kernels.attention_gluon  # noqa: F401
+        import engine.kernels.sparse24_gluon  # noqa: F401  (imports nvfp4_gluon)
+    except (ImportError, AttributeError) as e:
+        return f"Triton {triton.__version__} lacks the Gluon API these kernels use ({e})"
+    return None
 
 
 @functools.cache
