@@ -13,6 +13,15 @@ def rel_err(out, ref):
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
+def group_squares(h: torch.Tensor, group: int) -> torch.Tensor:
+    """The partial sums a producer with output groups of `group` columns writes for h [M, N]:
+    [ceil(N / group), M] float64, row i the sums of squares of h's columns [group * i, group * (i + 1))."""
+    m, n = h.shape
+    squares = torch.zeros(m, -(-n // group) * group, dtype=torch.float64, device=h.device)
+    squares[:, :n] = h.double() ** 2
+    return squares.view(m, -1, group).sum(-1).t()
+
+
 def check_norm_out(produce, x: torch.Tensor, w: torch.Tensor, group: int):
     """produce(x, residual, g, xg, parts): the GEMM before a norm, residual += x @ w^T in place (w the
     weight's float64 values [N, K]), xg = residual * g, parts[i] the sums of squares of the new
@@ -28,9 +37,7 @@ def check_norm_out(produce, x: torch.Tensor, w: torch.Tensor, group: int):
     produce(x, h, g, xg, parts)
     assert rel_err(h, x.double() @ w.t() + residual.double()) < BF16_TOL
     assert not xg.isnan().any() and rel_err(xg, h.double() * g.double()) < BF16_TOL
-    squares = torch.zeros(m, groups * group, dtype=torch.float64, device=x.device)
-    squares[:, :n] = h.double() ** 2
-    assert rel_err(parts[:, :m], squares.view(m, groups, group).sum(-1).t()) < 1e-6
+    assert rel_err(parts[:, :m], group_squares(h, group)) < 1e-6
     return h, g, xg, parts
 
 
@@ -40,9 +47,7 @@ def random_parts(m: int, k: int, group: int, device):
     h = torch.randn(m, k, device=device, dtype=torch.bfloat16)
     g = (1 + 0.2 * torch.randn(k, device=device)).to(torch.bfloat16)
     parts = torch.full((-(-k // group), 16), float("nan"), device=device)
-    squares = torch.zeros(m, parts.shape[0] * group, dtype=torch.float64, device=device)
-    squares[:, :k] = h.double() ** 2
-    parts[:, :m] = squares.view(m, -1, group).sum(-1).t().float()
+    parts[:, :m] = group_squares(h, group).float()
     return h, g, (h.double() * g.double()).to(torch.bfloat16), parts
 
 

@@ -568,6 +568,27 @@ def test_mma_order_meta_is_the_registers_the_kernel_passes():
     assert all(getattr(b, f"meta_mma_{wpt}") is None for wpt in s24.MMA_ORDER_WPTS)  # CPU
 
 
+def test_sparse_mma_launch_refuses_handoffs_it_cannot_run():
+    """The hand-off's arguments are checked before anything launches (CPU tensors here): not with
+    the SwiGLU epilogue, one side a launch (the kernel has one partial-sums buffer), and partial
+    sums of the producer's tile count."""
+    from engine.kernels import sparse24_gluon as sp
+    m, n, k = 2, 64, 256
+    x, y = torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(m, n, dtype=torch.bfloat16)
+    t = s24.compress_24(s24.prune_24(torch.randn(n, k).bfloat16()))
+    cfg = (0, 0, 32, 4, 1, 4, 1)     # BLOCK_N 32: two row tiles of N = 64
+    norm_out = (torch.ones(n, dtype=torch.bfloat16), torch.zeros_like(y), torch.zeros(2, 16))
+    row_scale = (torch.zeros(3, 16), 1e-5)
+    with pytest.raises(ValueError, match="SwiGLU"):
+        sp.launch(x, t.values, t.meta, None, cfg, y, swiglu=True, row_scale=row_scale)
+    with pytest.raises(ValueError, match="one side of the hand-off"):
+        sp.launch(x, t.values, t.meta, None, cfg, y, norm_out=norm_out, row_scale=row_scale)
+    with pytest.raises(ValueError, match="parts"):
+        sp.launch(x, t.values, t.meta, None, cfg, y, norm_out=norm_out[:2] + (torch.zeros(1, 16),))
+    with pytest.raises(ValueError, match="parts"):
+        sp.launch(x, t.values, t.meta, None, cfg, y, row_scale=(torch.zeros(3, 8), 1e-5))
+
+
 def test_sparse_mma_configs_are_decode_candidates():
     # The Gluon sparse-MMA kernel is sm_90's first choice up to 16 tokens (configurations for the
     # buckets 1..16 only); beyond that, without MMA-order metadata or with e4m3 values, the

@@ -168,8 +168,8 @@ def _gluon_configs(p: Problem) -> list:
 
 def _gluon_check(p: Problem) -> str | None:
     values_dtype, x_dtype, library, mma_order = p.detail
-    if gluon_missing():
-        return gluon_missing()
+    if reason := gluon_missing():
+        return reason
     if values_dtype != torch.bfloat16 or x_dtype != torch.bfloat16:
         return "bf16 values and activations only"
     if not mma_order:

@@ -575,8 +575,8 @@ def _gluon_decode_fits(p: Problem) -> str | None:
         return "needs sm_89+ (e4m3 conversion in hardware)"
     if interp or triton is None:
         return "Gluon runs on the GPU only"
-    if gluon_missing():
-        return gluon_missing()
+    if reason := gluon_missing():
+        return reason
     from engine.kernels.attention_gluon import MAX_GROUP
     if dtype not in (torch.bfloat16, torch.float16) or p.k != 128 or page != 16 or group > MAX_GROUP:
         return f"takes 16-bit q, heads of 128, pages of 16 and at most {MAX_GROUP} query heads per KV head"

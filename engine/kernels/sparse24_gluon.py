@@ -355,6 +355,8 @@ def launch(x, values, meta_mma, scale, cfg, out, swiglu=False, norm_out=None, ro
     tiles = -(-n // bn)
     if swiglu and (norm_out is not None or row_scale is not None):
         raise ValueError("the norm hand-off runs in the plain epilogue, not the SwiGLU one")
+    if norm_out is not None and row_scale is not None:
+        raise ValueError("norm_out and row_scale: one side of the hand-off a launch (one parts buffer)")
     g, xg, parts = norm_out if norm_out is not None else (out, out, None)
     parts, eps = row_scale if row_scale is not None else (parts, 0.0)
     if norm_out is not None:
