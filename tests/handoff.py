@@ -5,12 +5,9 @@ outputs."""
 from __future__ import annotations
 
 import torch
+from tests.numerics import rel_err
 
 BF16_TOL = 5e-3     # one bf16 rounding of the result
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def group_squares(h: torch.Tensor, group: int) -> torch.Tensor:

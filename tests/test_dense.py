@@ -21,6 +21,7 @@ from tests.cute_ptx import SANITIZER, run_under_memcheck
 
 triton = pytest.importorskip("triton")
 from engine.kernels import stream_triton  # noqa: E402  (needs Triton)
+from tests.numerics import rel_err  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # bf16 output rounding alone is ~2^-9 relative per element; fp16's 2^-12
@@ -34,10 +35,6 @@ def fresh_choices():
     select.clear_cache()
     yield
     select.clear_cache()
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def reference(x, w, swiglu):

@@ -6,12 +6,9 @@ import torch
 from engine.formats import fp8
 from engine.kernels import fp8_triton
 from tests.cute_ptx import SANITIZER, compile_in_subprocess, run_python, run_under_memcheck
+from tests.numerics import rel_err
 
 BF16_ROUNDING = 2.5e-3  # bf16 output rounding alone gives ~1.7e-3 relative (8-bit significand)
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def e4m3_round_by_hand(v: torch.Tensor) -> torch.Tensor:

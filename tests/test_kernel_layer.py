@@ -19,6 +19,7 @@ from engine.kernels.platform import cute_available, fake_capability
 from engine.kernels.select import Kernel, Problem
 from engine.kernels.tuner import Tuner
 from engine.streams.offload import find_tensors
+from tests.numerics import rel_err
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CUDA = torch.device("cuda")   # never touched: the capability is faked
@@ -394,10 +395,6 @@ def test_no_import_cycles():
 
 
 # ------------------------------------------------------------------------------------ on the GPU
-def _rel_err(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4", "2:4", "2:4+fp8"])
 def test_gpu_every_selected_kernel_matches_the_format_reference(fmt, tmp_path):
@@ -422,10 +419,10 @@ def test_gpu_every_selected_kernel_matches_the_format_reference(fmt, tmp_path):
                 out = b(x)
                 assert out.shape == (m, n) and torch.isfinite(out).all()
                 tol = 0.08 if fmt == "nvfp4" and m > 128 and fp8_path else bound
-                assert _rel_err(out, ref) < tol, (fmt, n, k, m, b.tuned)
+                assert rel_err(out, ref) < tol, (fmt, n, k, m, b.tuned)
                 if fmt in ("fp8", "nvfp4") and b.input_quant(m) == "fp8":   # as the norm / SwiGLU hand it
                     assert torch.equal(b(*quantize_act_fp8(x)), out), (fmt, n, k, m)
             h = backend.swiglu_forward(x)
             if h is not None:
                 g, u = ref.chunk(2, dim=-1)
-                assert _rel_err(h, torch.nn.functional.silu(g) * u) < bound, (fmt, n, k, m, "swiglu")
+                assert rel_err(h, torch.nn.functional.silu(g) * u) < bound, (fmt, n, k, m, "swiglu")

@@ -18,15 +18,11 @@ import engine.kernels.norms as norms
 import engine.kernels.rope as rope
 import engine.kernels.swiglu as swiglu
 from engine.kernels.platform import triton_runs
+from tests.numerics import rel_err
 
 pytestmark = pytest.mark.interpreter
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-def rel_err(out, ref):
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm()).item()
 
 
 def tol(dtype):

@@ -14,6 +14,7 @@ from engine.formats.fp8 import dequantize_fp8, quantize_rows_fp8
 from engine.linear import tune_model
 from models.llama import LlamaForCausalLM
 from models.presets import LlamaConfig
+from tests.numerics import rel_err
 
 # Relative error of logits against the float64 reference, by the dtype the head computes in.
 TOL = {torch.float32: 2e-5, torch.bfloat16: 1.5e-2}
@@ -42,10 +43,6 @@ def reference_logits(model, hidden, w=None):
     if backend.name == "fp8":
         hidden = dequantize_fp8(*quantize_rows_fp8(hidden))
     return hidden.double() @ w.t()
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def poison_allocator(device):

@@ -10,12 +10,9 @@ import pytest
 
 from engine.formats import nvfp4 as nv
 from tests.cute_ptx import compile_in_subprocess
+from tests.numerics import rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 # --- the format ----------------------------------------------------------------------------------

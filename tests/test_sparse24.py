@@ -13,14 +13,9 @@ from engine.formats.fp8 import quantize_act_fp8, quantize_rows_fp8
 from engine.kernels.norms import rms_norm
 from engine.kernels.select import Problem, clear_cache, m_bucket, runnable, select
 from engine.linear import Linear
+from tests.numerics import rel_err
 
 interpreter = pytest.mark.interpreter   # CPU tensors through the Triton interpreter
-
-
-def rel_err(out, ref):
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all(), "non-finite output"
-    return ((out - ref).norm() / ref.norm()).item()
 
 
 def fp64_ref(x, w):

@@ -28,10 +28,7 @@ from engine.streams import (
 from engine.streams.offload import find_tensors
 from models.llama import LlamaForCausalLM
 from models.presets import SHAPE_PRESETS
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+from tests.numerics import rel_err
 
 
 def first(log, entry, after=-1):
