@@ -440,9 +440,10 @@ def test_gpu_streamed_layers_match_resident():
     model.layers[3].mlp.down_proj.convert("2:4")     # metadata they read (buffers of the backend) stream too
     batch = build_prefill_only([torch.randint(0, 1000, (n,)).tolist() for n in (9, 33, 4)], dev)
     small = build_prefill_only([torch.randint(0, 1000, (n,)).tolist() for n in (5, 3, 4)], dev)
+    streamed = [1, 2, 3]
     # No norm hands off into a streamed layer (test_no_norm_is_handed_into_a_streamed_layer): the
     # resident reference is told which layers will stream, so that it runs the same kernels.
-    for i in (1, 2, 3):
+    for i in streamed:
         model.layers[i].streamed = True
     ref = model(batch.input_ids, batch.positions, batch).float()
     ref_small = model(small.input_ids, small.positions, small).float()
@@ -450,11 +451,11 @@ def test_gpu_streamed_layers_match_resident():
     assert sparse.meta_mma_4 is not None and all(any(t is m for t in find_tensors(model.layers[3]))
                                                  for m in (sparse.meta_mma_4, sparse.meta_mma_8))
     sizes = [layer_stream_bytes(layer) for layer in model.layers]
-    plan = OffloadPlan([0], [1, 2, 3], 2 * max(sizes[1:]))
+    plan = OffloadPlan([0], streamed, 2 * max(sizes[1:]))
     s = StepStreams(dev)
     # the device storages of the streamed layers' tensors, by address (empty placeholders own none)
     old = {t.untyped_storage().data_ptr(): (f"layer {i}: {tuple(t.shape)} {t.dtype}", t.untyped_storage().nbytes())
-           for i in (1, 2, 3) for t in find_tensors(model.layers[i]) if t.untyped_storage().nbytes()}
+           for i in streamed for t in find_tensors(model.layers[i]) if t.untyped_storage().nbytes()}
     torch.cuda.synchronize()
     # The allocator's own record of what the construction freed (not memory_allocated before and
     # after, which other tests' lazily built caches move in a long pytest process).
