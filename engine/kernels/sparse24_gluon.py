@@ -196,14 +196,9 @@ def store_rows_scaled(acc, HAS_SCALE: gl.constexpr, scale_ptr, n0, pid_n, M, N, 
                       K: gl.constexpr = 1, parts_ptr=None, g_ptr=None, xg_ptr=None):
     """store_rows (with its RMSNorm hand-off), times scale[N] when HAS_SCALE (per-output-channel
     scales)."""
-    if HAS_SCALE:
-        store_rows(_times_row_scale, acc, scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr,
-                   count_ptr, BLOCK_N, MP, SPLIT_K, 0, NORM_IN, NORM_OUT, parts_in, eps, K, parts_ptr,
-                   g_ptr, xg_ptr)
-    else:
-        store_rows(_unscaled, acc, scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr,
-                   count_ptr, BLOCK_N, MP, SPLIT_K, 0, NORM_IN, NORM_OUT, parts_in, eps, K, parts_ptr,
-                   g_ptr, xg_ptr)
+    ROW_SCALE: gl.constexpr = _times_row_scale if HAS_SCALE else _unscaled
+    store_rows(ROW_SCALE, acc, scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr, count_ptr, BLOCK_N, MP,
+               SPLIT_K, 0, NORM_IN, NORM_OUT, parts_in, eps, K, parts_ptr, g_ptr, xg_ptr)
 
 
 @gluon.jit(do_not_specialize=["M"])
