@@ -417,7 +417,7 @@ def test_gpu_every_selected_kernel_matches_the_format_reference(fmt, tmp_path):
             ref = x.double() @ dense.t()
             for b in (backend, tuned):
                 out = b(x)
-                assert out.shape == (m, n) and torch.isfinite(out).all()
+                assert out.shape == (m, n)   # rel_err below fails a non-finite output
                 tol = 0.08 if fmt == "nvfp4" and m > 128 and fp8_path else bound
                 assert rel_err(out, ref) < tol, (fmt, n, k, m, b.tuned)
                 if fmt in ("fp8", "nvfp4") and b.input_quant(m) == "fp8":   # as the norm / SwiGLU hand it
