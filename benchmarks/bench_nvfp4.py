@@ -2,9 +2,10 @@
 
 For every (N, K) and M: the time of the NVFP4 GEMM the engine selects (engine/formats/nvfp4.py
 `nvfp4_linear`, named by the kernel it picks) and of each candidate kernel called directly: the
-Gluon decode kernel (M <= 16; mma.sync on fragments loaded straight into registers,
-engine/kernels/nvfp4_gluon.py `decode_matmul`), the Triton decode kernel (M <= 128; WGMMA,
-engine/kernels/nvfp4_triton.py `decode_gemm`), dequantise-to-bf16 + cuBLAS and, past 128 tokens,
+Gluon decode kernels (M <= 16; weights loaded straight into registers, engine/kernels/nvfp4_gluon.py:
+mma.sync with x from registers, `decode_matmul`, and wgmma with x from shared memory,
+`wgmma_matmul`), the Triton decode kernel (M <= 128; WGMMA, engine/kernels/nvfp4_triton.py
+`decode_gemm`), dequantise-to-bf16 + cuBLAS and, past 128 tokens,
 dequantise-to-FP8 + the CuTe DSL FP8 GEMM (checked against its own reference,
 `nvfp4_fp8_linear_reference`); next to bf16
 cuBLAS and fp8 _scaled_mm. Reported: the bytes each must move (weights as stored, activations,
@@ -22,8 +23,9 @@ the median of 20 replays, divided by the calls per replay.
 
     python benchmarks/bench_nvfp4.py [--quick] [--decode] [--sweep] [--m 64,128]
 
---quick: one shape, M in {1, 1024}. --decode: M = 1, 4 and 16 only (no dequant+cuBLAS).
---sweep: also times other configurations of both decode kernels at M = 1 and 16, and of the
+--quick: one shape, M in {1, 1024}. --decode: M = 1, 4, 8 and 16 only (no dequant+cuBLAS), and
+the fused gate/up projection with its SwiGLU epilogue against the GEMM + the SwiGLU kernel.
+--sweep: also times other configurations of the decode kernels at M = 1 and 16, and of the
 Triton decode kernel at M = 128 (where M is in the list).
 """
 from __future__ import annotations
@@ -39,6 +41,8 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 from benchmarks.timing import time_graph  # noqa: E402
 from engine.formats import nvfp4 as nv  # noqa: E402
 from engine.kernels.platform import cute_available  # noqa: E402
+from engine.kernels.select import select  # noqa: E402
+from engine.kernels.swiglu import swiglu  # noqa: E402
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate+up, down of Llama-3.1-8B
 MS = [1, 16, 128, 1024, 8192]
@@ -94,6 +98,7 @@ SWEEP = [  # Triton decode kernel: (BLOCK_N, BLOCK_K, words per thread, num_warp
     (128, 128, 2, 8, 3), (256, 256, 4, 8, 3)]
 SWEEP_128 = [  # the same at 128 tokens
     (128, 128, 4, 8, 4), (128, 128, 4, 8, 3), (256, 128, 4, 8, 3), (256, 128, 4, 8, 4)]
+WGMMA_SWEEP = [(4, 64), (4, 128), (8, 128)]  # Gluon wgmma decode kernel: (num_warps, BLOCK_N)
 GLUON_SWEEP = [  # Gluon decode kernel: (num_warps, BLOCK_N, warps along K, words per thread)
     (4, 16, 4, 4), (4, 32, 2, 4), (4, 64, 1, 4), (4, 32, 4, 4), (8, 16, 8, 4), (4, 16, 4, 8),
     (4, 32, 2, 8)]
@@ -103,7 +108,7 @@ def main():
     parser = argparse.ArgumentParser(description="NVFP4 GEMM kernels vs bf16 cuBLAS at Llama-3.1-8B shapes")
     parser.add_argument("--quick", action="store_true", help="one shape, M in {1, 1024}")
     parser.add_argument("--decode", action="store_true",
-                        help="M in {1, 4, 16}: NVFP4 kernels, cuBLAS and fp8 only")
+                        help="M in {1, 4, 8, 16}: NVFP4 kernels, cuBLAS and fp8 only, and the SwiGLU epilogue")
     parser.add_argument("--sweep", action="store_true", help="time other decode-kernel configs")
     parser.add_argument("--m", help="comma list of M to time instead of the default list")
     args = parser.parse_args()
@@ -120,10 +125,10 @@ def main():
     print(f"device: {props.name}, {sms} SMs, L2 {l2 >> 20} MiB; torch {torch.__version__}")
     print(f"HBM copy 1 GiB (read+write): copy_ {copy_eager:.0f} GB/s, elementwise kernel "
           f"{copy_kernel:.0f} GB/s; bf16 cuBLAS 8192^3 {peak_tflops:.0f} TFLOP/s")
-    shapes, ms = (SHAPES[:1], [1, 1024]) if args.quick else (SHAPES, [1, 4, 16] if args.decode else MS)
+    shapes, ms = (SHAPES[:1], [1, 1024]) if args.quick else (SHAPES, [1, 4, 8, 16] if args.decode else MS)
     if args.m:
         ms = [int(v) for v in args.m.split(",")]
-    rows, sweep_rows, gluon_sweep_rows = [], [], []
+    rows, sweep_rows, gluon_sweep_rows, wgmma_sweep_rows = [], [], [], []
     for n, k in shapes:
         w_dense = torch.randn(n, k, device="cuda") * 0.02
         w_q = nv.quantize(w_dense)
@@ -147,10 +152,10 @@ def main():
             act_out_bytes = m * k * 2 + m * n * 2
             flops = 2 * m * n * k
 
-            def measure(variant, fn, calls, weight_bytes, reference, tol=1e-2):
+            def measure(variant, fn, calls, weight_bytes, reference, tol=1e-2, out_cols=n):
                 err = check(variant, fn(0), reference, tol)
                 t_us = graph_time_us(fn, calls)
-                nbytes = weight_bytes + act_out_bytes
+                nbytes = weight_bytes + act_out_bytes - m * (n - out_cols) * 2
                 gbs = nbytes / t_us / 1e3
                 rows.append((n, k, m, variant, t_us, nbytes, gbs, gbs / copy_gbs,
                              flops / t_us / 1e6, err))
@@ -164,6 +169,8 @@ def main():
                 gluon_cfg = gdec.decode_config(m, n, k, sms)
                 measure("nvfp4 Gluon decode", lambda i: gdec.decode_matmul(x, qs[i], out, gluon_cfg),
                         copies_q, w_q.nbytes, ref)
+                measure("nvfp4 Gluon wgmma decode", lambda i: gdec.wgmma_matmul(x, qs[i], out),
+                        copies_q, w_q.nbytes, ref)
                 if args.decode:
                     measure("nvfp4 Gluon decode, row-major",
                             lambda i: gdec.decode_matmul(x, rows_q[i], out, gluon_cfg), copies_q,
@@ -171,6 +178,23 @@ def main():
             if m <= dec.MAX_M:
                 measure("nvfp4 Triton decode", lambda i: dec.decode_gemm(x, qs[i], out), copies_q,
                         w_q.nbytes, ref)
+            if args.decode and n == 28672 and m <= 16:  # the fused gate/up projection: SwiGLU
+                f = n // 2
+                ref_h = F.silu(ref[:, :f]) * ref[:, f:]
+                out_h = torch.empty(m, f, device="cuda", dtype=torch.bfloat16)
+                backends = [nv.Nvfp4Weight(q, torch.bfloat16) for q in qs]
+                fused = select(nv.NVFP4_SWIGLU, backends[0]._problem("nvfp4_swiglu", m, x.dtype)).kernel.name
+                measure(f"nvfp4 selected + SwiGLU ({fused})", lambda i: backends[i].swiglu_forward(x)
+                        if fused != "separate" else swiglu(nv.nvfp4_linear(x, qs[i])), copies_q, w_q.nbytes, ref_h,
+                        out_cols=f)
+                measure("nvfp4 Gluon decode, SwiGLU epilogue",
+                        lambda i: gdec.decode_matmul(x, qs[i], out_h, swiglu=True), copies_q, w_q.nbytes, ref_h,
+                        out_cols=f)
+                measure("nvfp4 Gluon wgmma decode, SwiGLU epilogue",
+                        lambda i: gdec.wgmma_matmul(x, qs[i], out_h, swiglu=True), copies_q, w_q.nbytes, ref_h,
+                        out_cols=f)
+                measure("nvfp4 Triton decode + SwiGLU kernel",
+                        lambda i: swiglu(dec.decode_gemm(x, qs[i], out)), copies_q, w_q.nbytes, ref_h, out_cols=f)
             if not args.decode:
                 measure("nvfp4 dequant+cuBLAS",
                         lambda i: F.linear(x, dec.dequantize_bf16(qs[i])), copies_q,
@@ -208,6 +232,13 @@ def main():
                         t, of_copy = sweep_point("sweep", dec.decode_gemm, cfg)
                         sweep_rows.append((n, k, m, block_n, block_k, wpt, warps, stages, split,
                                            t, of_copy))
+                for warps, block_n in WGMMA_SWEEP if m <= 16 else []:
+                    for split in (1, 2, 4, 8, 16):
+                        if k % (split * 128) or k // (split * 128) < 2:
+                            continue
+                        cfg = gdec.wgmma_config(m, n, k, sms, num_warps=warps, block_n=block_n, split_k=split)
+                        t, of_copy = sweep_point("wgmma sweep", gdec.wgmma_matmul, cfg)
+                        wgmma_sweep_rows.append((n, k, m, warps, block_n, split, t, of_copy))
                 for warps, block_n, warps_k, wpt in GLUON_SWEEP if m <= 16 else []:
                     for split in (1, 2, 4, 8):
                         k_warp = split * warps_k * 32 * wpt  # K one step covers over warps, splits
@@ -221,6 +252,12 @@ def main():
         qs = rows_q = bs = fs = dq_ref = None  # free the copies before the next shape
         torch.cuda.empty_cache()
 
+    if wgmma_sweep_rows:
+        print("\nNVFP4 Gluon wgmma decode kernel configurations")
+        print("| N | K | M | warps | BLOCK_N | SPLIT_K | us | of copy BW |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in wgmma_sweep_rows:
+            print("| " + " | ".join(str(v) for v in r[:6]) + f" | {r[6]:.1f} | {r[7]:.0%} |")
     if gluon_sweep_rows:
         print("\nNVFP4 Gluon decode kernel configurations")
         print("| N | K | M | warps | BLOCK_N | warps along K | words/thread | SPLIT_K | us "
@@ -244,7 +281,7 @@ def main():
     by_key = {(n, k, m, v): t for n, k, m, v, t, *_ in rows}
     selected = {(n, k, m): v for n, k, m, v in by_key if v.startswith("nvfp4 selected")}
     for variant in ("nvfp4 selected", "nvfp4 Gluon decode", "nvfp4 Gluon decode, row-major",
-                    "nvfp4 Triton decode", "nvfp4 dequant+cuBLAS"):
+                    "nvfp4 Gluon wgmma decode", "nvfp4 Triton decode", "nvfp4 dequant+cuBLAS"):
         def key(n, k, m, variant=variant):
             return (n, k, m, selected.get((n, k, m))) if variant == "nvfp4 selected" else (n, k, m, variant)
         if not any(key(n, k, m) in by_key for n, k in shapes for m in ms):

@@ -62,7 +62,8 @@ def test_fp8_reference_on_cuda_warns_once_with_the_reasons(cap, n):
         assert chosen(fp8.FP8_GEMM, "fp8_gemm", 64, n, 512, cap) == "reference"
 
 
-@pytest.mark.parametrize("m,want", [(1, "gluon_decode"), (4, "gluon_decode"), (5, "triton_decode"),
+@pytest.mark.parametrize("m,want", [(1, "gluon_decode"), (4, "gluon_decode"), (5, "gluon_wgmma_decode"),
+                                    (16, "gluon_wgmma_decode"), (17, "triton_decode"),
                                     (128, "triton_decode"), (129, "large"), (8192, "large")])
 def test_nvfp4_selection_on_hopper(m, want):
     if want == "large":
@@ -82,7 +83,10 @@ def test_nvfp4_selection_on_blackwell_and_elsewhere():
 def test_swiglu_epilogues_only_where_they_are_selected():
     d = (torch.bfloat16, True)
     assert chosen(nvfp4.NVFP4_SWIGLU, "nvfp4_swiglu", 1, 28672, 4096, (9, 0), d) == "gluon_decode_swiglu"
-    assert chosen(nvfp4.NVFP4_SWIGLU, "nvfp4_swiglu", 8, 28672, 4096, (9, 0), d) == "separate"
+    assert chosen(nvfp4.NVFP4_SWIGLU, "nvfp4_swiglu", 4, 28672, 4096, (9, 0), d) == "gluon_decode_swiglu"
+    assert chosen(nvfp4.NVFP4_SWIGLU, "nvfp4_swiglu", 5, 28672, 4096, (9, 0), d) == "gluon_wgmma_decode_swiglu"
+    assert chosen(nvfp4.NVFP4_SWIGLU, "nvfp4_swiglu", 16, 28672, 4096, (9, 0), d) == "gluon_wgmma_decode_swiglu"
+    assert chosen(nvfp4.NVFP4_SWIGLU, "nvfp4_swiglu", 17, 28672, 4096, (9, 0), d) == "separate"
     assert chosen(nvfp4.NVFP4_SWIGLU, "nvfp4_swiglu", 1, 28672, 4096, (10, 0), d) == "separate"
     s = (torch.bfloat16, torch.bfloat16, True, True)
     assert chosen(sparse24.SPARSE24_SWIGLU, "sparse24_swiglu", 1, 28672, 4096, (9, 0), s) == "gluon_sparse_mma_swiglu"

@@ -152,7 +152,8 @@ def test_head_shapes_select_kernels_on_hopper(n, k):
                     ("triton_stream" if m <= 16 else "cute_wgmma_sm90")
                 problem = select.Problem("nvfp4_gemm", m, n, k, cuda, (torch.bfloat16, tiled))
                 assert select.select(nvfp4.NVFP4_GEMM, problem).kernel.name == \
-                    ("gluon_decode" if m <= 4 else "triton_decode" if m <= 128 else "fp8_dequantize_wgmma")
+                    ("gluon_decode" if m <= 4 else "gluon_wgmma_decode" if m <= 16 else "triton_decode" if m <= 128
+                     else "fp8_dequantize_wgmma")
     finally:
         select.clear_cache()
 

@@ -3,6 +3,7 @@ the Triton kernels against the reference (interpreter on the CPU, compiled on th
 selection per architecture, the CuTe DSL kernel compiled for sm_100, and the GPU kernels on Llama
 shapes."""
 import importlib.util
+import re
 
 import torch
 
@@ -155,7 +156,8 @@ def test_custom_op_matches_reference_and_passes_opcheck():
 
 def test_kernel_selection_per_architecture():
     # What nvfp4_linear runs, by architecture and M (engine/kernels/select.py), faked on the CPU:
-    # sm_90: Gluon decode to M = 4, Triton decode to 128, then decode to FP8 + the CuTe DSL FP8 GEMM
+    # sm_90: the Gluon mma.sync decode to M = 4, the Gluon wgmma decode to 16, Triton decode to 128,
+    # then decode to FP8 + the CuTe DSL FP8 GEMM
     # on e4m3 activations (decode to bf16 + cuBLAS without CuTe DSL or where N % 64 != 0); sm_100:
     # the CuTe DSL kernel on row-major storage where installed; fp32 activations or K % 64 only the
     # reference.
@@ -169,19 +171,23 @@ def test_kernel_selection_per_architecture():
     try:
         with fake_capability((9, 0)):
             if cute_available():
-                assert [pick(m) for m in (1, 3, 4, 5, 16, 64, 128, 129, 200, 2048)] == (
-                    ["gluon_decode"] * 3 + ["triton_decode"] * 4 + ["fp8_dequantize_wgmma"] * 3)
+                assert [pick(m) for m in (1, 3, 4, 5, 9, 16, 17, 64, 128, 129, 200, 2048)] == (
+                    ["gluon_decode"] * 3 + ["gluon_wgmma_decode"] * 3 + ["triton_decode"] * 3
+                    + ["fp8_dequantize_wgmma"] * 3)
                 assert pick(200, n=4000) == "dequantize_cublas"
             else:
                 assert pick(200) == "dequantize_cublas"
             assert pick(1, k=576, tiled=False) == "gluon_decode"
             assert pick(1, k=576, tiled=True) == "triton_decode"  # Gluon reads tiles 128 K deep
+            assert pick(16, k=576, tiled=False) == "gluon_wgmma_decode"
+            assert pick(16, k=576, tiled=True) == "triton_decode"
             with pytest.warns(RuntimeWarning, match="reference"):
                 assert pick(3, k=4000) == "reference"
             with pytest.warns(RuntimeWarning, match="reference"):
                 assert pick(3, dtype=torch.float32) == "reference"
             swiglu = dict(table=nv.NVFP4_SWIGLU, op="nvfp4_swiglu")
-            assert [pick(m, n=8192, **swiglu) for m in (1, 4, 5)] == ["gluon_decode_swiglu"] * 2 + ["separate"]
+            assert [pick(m, n=8192, **swiglu) for m in (1, 4, 5, 16, 17)] == (
+                ["gluon_decode_swiglu"] * 2 + ["gluon_wgmma_decode_swiglu"] * 2 + ["separate"])
         with fake_capability((10, 0)):
             first = "cute_tcgen05_sm100" if cute_available() else "triton_decode"
             assert pick(1, tiled=False) == first and pick(1, tiled=True) == "triton_decode"
@@ -489,7 +495,40 @@ def test_gluon_decode_kernel_compiles_for_sm90():
     # Split-K: the partial sums meet in one launch (atomics, a CTA barrier: thread_barrier in
     # Triton 3.6, barrier later; both compile).
     ptx = compile_decode(14336, 16, 4, 8, 4, split_k=4)
-    assert "atom." in ptx or "red." in ptx
+    assert re.search(r"\b(atom|red)\.global", ptx)
+    assert not re.search(r"\b(atom|red)\.global", compile_decode(14336, 16, 4, 8, 4))
+
+
+def test_gluon_wgmma_decode_kernel_compiles_for_sm90():
+    # Compiled on the CPU for sm_90: per loop body (2 K steps of 128) each thread loads 2 x 2
+    # 16-byte weight vectors per 16-row block straight into registers, feeding wgmma's A operand
+    # (m64 n8 / n16 k16, 8 per step and 64-row block); x travels through registers (16-byte loads)
+    # into the shared-memory ring, which wgmma reads through its descriptors: the loop stores to
+    # shared memory but never loads from it, and synchronises the CTA.
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from gluon_ptx import compile_sm90, ptx_loops
+    from engine.kernels.nvfp4_gluon import nvfp4_wgmma_decode_kernel
+
+    for block_n, mp, warps, split_k, tiled, swiglu in ((64, 16, 4, 4, True, False), (128, 8, 4, 1, False, True),
+                                                       (128, 16, 8, 2, True, False), (256, 16, 8, 4, True, True)):
+        ptx = compile_sm90(nvfp4_wgmma_decode_kernel, GLUON_ARGS,
+                           {"K": 4096, "BLOCK_N": block_n, "WPT": 4, "MP": mp, "SPLIT_K": split_k,
+                            "TILED": tiled, "SWIGLU": swiglu}, num_warps=warps)
+        loops = ptx_loops(ptx)
+        assert len(loops) == 1, len(loops)
+        body = loops[0]
+        blocks = block_n // (16 * warps)  # 16-row blocks per warp
+        assert body.count(f"wgmma.mma_async.sync.aligned.m64n{mp}k16.f32.bf16.bf16") == 2 * 8 * blocks
+        x_vectors = 2 * mp * 128 // (8 * 32 * warps)  # a step's x, 8 bf16 a thread
+        assert body.count("ld.global.v4.b32") == 2 * 2 * blocks + x_vectors, body.count("ld.global.v4.b32")
+        assert "ld.shared" not in body and "st.shared" in body and "bar.sync" in body
+        assert "mma.sync" not in ptx
+        assert bool(re.search(r"\b(atom|red)\.global", ptx)) == (split_k > 1)
+    # Short K: one, two or three steps per program (no loop iteration), and the row-major K of 64.
+    for k, wpt, split_k in ((128, 4, 1), (256, 4, 1), (384, 4, 1), (576, 2, 3), (64, 2, 1)):
+        ptx = compile_sm90(nvfp4_wgmma_decode_kernel, GLUON_ARGS,
+                           {"K": k, "BLOCK_N": 64, "WPT": wpt, "MP": 16, "SPLIT_K": split_k})
+        assert ptx.count("wgmma.mma_async") == k // split_k // 16, k
 
 
 @pytest.mark.interpreter
@@ -582,9 +621,10 @@ LLAMA_NK = [(6144, 4096), (28672, 4096), (4096, 14336)]
 @pytest.mark.parametrize("tiled", [False, True])
 @pytest.mark.parametrize("n,k", LLAMA_NK)
 def test_gpu_matmul_llama_shapes(n, k, tiled):
-    # Through nvfp4_linear (the kernel selection: Gluon decode, Triton decode, decode + cuBLAS) in
-    # bf16, and each decode kernel directly where its M range allows, into bf16 and fp32 outputs.
-    from engine.kernels.nvfp4_gluon import decode_matmul
+    # Through nvfp4_linear (the kernel selection: Gluon decode, Gluon wgmma decode, Triton decode,
+    # decode + cuBLAS) in bf16, and each decode kernel directly where its M range allows, into bf16
+    # and fp32 outputs.
+    from engine.kernels.nvfp4_gluon import decode_matmul, wgmma_matmul
     from engine.kernels.nvfp4_triton import MAX_M, decode_gemm
     w = nv.quantize(torch.randn(n, k, device="cuda") * 0.02)
     dq = nv.dequantize(w).double()
@@ -601,6 +641,7 @@ def test_gpu_matmul_llama_shapes(n, k, tiled):
         kernels = [("triton_decode", lambda out: decode_gemm(x, w, out))] if m <= MAX_M else []
         if m <= 16:
             kernels.append(("gluon_decode", lambda out: decode_matmul(x, w, out)))
+            kernels.append(("gluon_wgmma_decode", lambda out: wgmma_matmul(x, w, out)))
         for name, run in kernels:
             for out_dtype, tol in ((torch.bfloat16, 5e-3), (torch.float32, 1e-5)):
                 out = torch.full((m, n), float("nan"), device="cuda", dtype=out_dtype)
@@ -724,7 +765,64 @@ def test_gpu_gluon_swiglu_epilogue():
     h = backend.swiglu_forward(x)
     assert h.shape == (3, 4096) and h.dtype == torch.bfloat16
     assert rel_err(h, torch.nn.functional.silu(y[:, :4096]) * y[:, 4096:]) < 5e-3
-    assert backend.swiglu_forward(torch.randn(5, 1024, device="cuda", dtype=torch.bfloat16)) is None
+    assert backend.swiglu_forward(torch.randn(17, 1024, device="cuda", dtype=torch.bfloat16)) is None
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_wgmma_decode_kernel_configs_and_tails():
+    # The Gluon wgmma decode kernel: random N (tails), K of 1, 3, 9 and 32 steps a program and odd
+    # step counts (the ring's tails), both storage orders, M from 1 to 16 (both token tiles), one
+    # or two warpgroups, split-K from 1 to 8, each config twice (the split-K scratch must be back
+    # at zero), into bf16 and fp32 outputs poisoned first; then its SwiGLU epilogue.
+    from engine.kernels.nvfp4_gluon import wgmma_config, wgmma_matmul
+    torch.manual_seed(5)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for n, k, tiled in [(int(torch.randint(65, 3000, ())), 4096, False), (4096, 14336, True),
+                        (300, 576, False), (200, 64, False), (16 * int(torch.randint(5, 190, ())), 4096, True),
+                        (384, 384, True), (384, 256, True)]:
+        w = nv.quantize(torch.randn(n, k, device="cuda") * torch.rand(n, 1, device="cuda"))
+        dq = nv.dequantize(w).double()
+        if tiled:
+            w = nv.to_tiles(w)
+        steps = k // (128 if k % 128 == 0 else 64)
+        splits = {1, max(1, steps // 3) if steps % 3 == 0 else 1} if k < 4096 else {1, 7 if steps % 7 == 0 else 2}
+        configs = [None] + [wgmma_config(1, n, k, sms, split_k=s, block_n=bn, num_warps=nw)
+                            for s in sorted(splits) for bn, nw in ((64, 4), (128, 4), (128, 8))]
+        for config in configs:
+            for m in (1, int(torch.randint(2, 9, ())), 9, int(torch.randint(10, 17, ())), 16):
+                for _ in range(2):
+                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                    ref = x.double() @ dq.t()
+                    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 5e-3)):
+                        out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+                        wgmma_matmul(x, w, out, config)
+                        assert not out.isnan().any(), (n, k, m, config, dtype)
+                        assert rel_err(out, ref) < tol, (n, k, m, config, dtype)
+    for f, k, tiled in [(16 * int(torch.randint(3, 400, ())), 4096, True), (14336, 4096, True),
+                        (16 * int(torch.randint(3, 400, ())), 4096, False), (304, 576, False)]:
+        n = 2 * f
+        w = nv.quantize(torch.randn(n, k, device="cuda") * torch.rand(n, 1, device="cuda"))
+        dq = nv.dequantize(w).double()
+        if tiled:
+            w = nv.to_tiles(w)
+        configs = [None, wgmma_config(1, n, k, sms, split_k=1, swiglu=True),
+                   wgmma_config(1, n, k, sms, block_n=256, num_warps=8, swiglu=True)]
+        for config in configs:
+            for m in (1, 9, 16):
+                for _ in range(2):
+                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                    y = x.double() @ dq.t()
+                    ref = torch.nn.functional.silu(y[:, :f]) * y[:, f:]
+                    out = torch.full((m, f), float("nan"), device="cuda", dtype=torch.float32)
+                    wgmma_matmul(x, w, out, config, swiglu=True)
+                    assert not out.isnan().any(), (f, k, m, config)
+                    assert rel_err(out, ref) < 1e-5, (f, k, m, config)
+    backend = nv.Nvfp4Weight.from_dense(torch.randn(2 * 4096, 1024, device="cuda", dtype=torch.bfloat16))
+    x = torch.randn(12, 1024, device="cuda", dtype=torch.bfloat16)
+    y = x.double() @ nv.dequantize(backend.tensor).double().t()
+    h = backend.swiglu_forward(x)  # 12 tokens: the wgmma kernel's epilogue
+    assert h.shape == (12, 4096) and h.dtype == torch.bfloat16
+    assert rel_err(h, torch.nn.functional.silu(y[:, :4096]) * y[:, 4096:]) < 5e-3
 
 
 @pytest.mark.gpu

@@ -20,19 +20,22 @@ both, the references and the CuTe DSL kernel read row-major (`to_rows`).
 "128x4" layout; engine/kernels/cute/nvfp4_gemm_sm100.py).
 
 The NVFP4 GEMM, per architecture (engine/kernels/select.py):
-- sm_90 (no FP4 tensor cores): M <= 4 the Gluon decode kernel (engine/kernels/nvfp4_gluon.py, every
-  operand in registers), M <= 128 the Triton decode kernel (engine/kernels/nvfp4_triton.py, WGMMA
-  with x from shared memory); both W4A16, the weight decoded in registers to bf16 (exact). Larger M
-  is compute-bound: the weight is decoded once per call into a reused buffer as FP8 rows
-  (`to_fp8`: one more rounding of each weight, to e4m3's 4 significant bits) and the CuTe DSL FP8
-  GEMM runs (W8A8 on tensor cores twice as fast as bf16's; `nvfp4_fp8_linear_reference`). Its
-  activations are e4m3 per token: the RMSNorm or SwiGLU before the GEMM writes them so
+- sm_90 (no FP4 tensor cores): M <= 4 the Gluon mma.sync decode kernel, M <= 16 the Gluon wgmma
+  decode kernel (engine/kernels/nvfp4_gluon.py: weights straight into registers, x from registers
+  or from shared memory), M <= 128 the Triton decode kernel (engine/kernels/nvfp4_triton.py, WGMMA
+  with both operands staged through shared memory); all W4A16, the weight decoded in registers to
+  bf16 (exact). Larger M is compute-bound: the weight is decoded once per call into a reused
+  buffer as FP8 rows (`to_fp8`: one more rounding of each weight, to e4m3's 4 significant bits)
+  and the CuTe DSL FP8 GEMM runs (W8A8 on tensor cores twice as fast as bf16's;
+  `nvfp4_fp8_linear_reference`). Its activations are e4m3 per token: the RMSNorm or SwiGLU before the GEMM writes them so
   (`input_quant`), as for `--weights fp8`. Where the FP8 GEMM cannot run (no CuTe DSL, or N % 64
   != 0), the weight is decoded to bf16 for cuBLAS instead (W4A16, exact).
 - sm_100: the CuTe DSL tcgen05 block-scaled kernel (W4A4: activations quantised to NVFP4 per call;
   N % 128 == 0, K % 256 == 0), else the Triton decode kernel, else decode to bf16 + cuBLAS (exact).
 - anything else: the Triton decode kernel, decode + cuBLAS, or the reference.
-The fused gate/up projection's SwiGLU runs in the Gluon kernel's epilogue where it is selected.
+The order is bench_nvfp4.py --decode's on the Llama-3.1-8B shapes, fixed rather than tuned: the
+tuner's timing ranks these kernels otherwise than the decode step runs them (BENCHMARKS.md, "Tried").
+The fused gate/up projection's SwiGLU runs in the Gluon kernels' epilogue where they are selected.
 The RMSNorm hand-off (engine/kernels/stream_triton.py) does not pay in the Gluon kernel, whose
 epilogues cost what the norm kernels do (BENCHMARKS.md, "Tried"): NVFP4 keeps its norm kernels.
 """
@@ -246,6 +249,12 @@ def _gluon_decode(x, w, config=None):
     return decode_matmul(x.to(torch.bfloat16), w, out, config).to(x.dtype)
 
 
+def _gluon_wgmma(x, w, config=None):
+    from engine.kernels.nvfp4_gluon import wgmma_matmul
+    out = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
+    return wgmma_matmul(x.to(torch.bfloat16), w, out, config).to(x.dtype)
+
+
 def _triton_decode(x, w, config=None):
     out = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
     return nvfp4_triton.decode_gemm(x.to(torch.bfloat16), w, out, config)
@@ -295,7 +304,8 @@ TRITON_DECODE = Kernel("triton_decode", _triton_decode, max_m=nvfp4_triton.MAX_M
 DEQUANT_CUBLAS = Kernel("dequantize_cublas", _dequant_cublas, check=_decodable)
 REFERENCE = Kernel("reference", _reference, reference=True)
 NVFP4_GEMM = {
-    9: [Kernel("gluon_decode", _gluon_decode, max_m=4, check=_gluon_decodable), TRITON_DECODE,
+    9: [Kernel("gluon_decode", _gluon_decode, max_m=4, check=_gluon_decodable),
+        Kernel("gluon_wgmma_decode", _gluon_wgmma, max_m=16, check=_gluon_decodable), TRITON_DECODE,
         Kernel("fp8_dequantize_wgmma", _fp8_dequant_wgmma, check=_fp8_dequant_fits, input_quant="fp8"),
         DEQUANT_CUBLAS, REFERENCE],
     10: [Kernel("cute_tcgen05_sm100", _tcgen05, check=_tcgen05_fits), TRITON_DECODE, DEQUANT_CUBLAS, REFERENCE],
@@ -309,6 +319,12 @@ def _gluon_swiglu(x, w, config=None):
     return decode_matmul(x.to(torch.bfloat16), w, out, swiglu=True).to(x.dtype)
 
 
+def _gluon_wgmma_swiglu(x, w, config=None):
+    from engine.kernels.nvfp4_gluon import wgmma_matmul
+    out = torch.empty(x.shape[0], w.shape[0] // 2, device=x.device, dtype=x.dtype)
+    return wgmma_matmul(x.to(torch.bfloat16), w, out, swiglu=True).to(x.dtype)
+
+
 def _swiglu_fits(p: Problem) -> str | None:
     return _gluon_decodable(p) or ("needs N % 32 == 0" if p.n % 32 else None)
 
@@ -316,7 +332,9 @@ def _swiglu_fits(p: Problem) -> str | None:
 # silu(gate) * up of a fused gate/up weight in the GEMM's epilogue; "separate": the GEMM, then the
 # SwiGLU kernel (Linear.swiglu).
 SEPARATE = Kernel("separate", None, needs_cuda=False)
-NVFP4_SWIGLU = {9: [Kernel("gluon_decode_swiglu", _gluon_swiglu, max_m=4, check=_swiglu_fits), SEPARATE],
+NVFP4_SWIGLU = {9: [Kernel("gluon_decode_swiglu", _gluon_swiglu, max_m=4, check=_swiglu_fits),
+                    Kernel("gluon_wgmma_decode_swiglu", _gluon_wgmma_swiglu, max_m=16, check=_swiglu_fits),
+                    SEPARATE],
                 "other": [SEPARATE]}
 
 

@@ -1,12 +1,13 @@
-"""NVFP4 decode GEMM for Hopper (sm_90, M <= 16 tokens), in Gluon: y = x @ W^T.
+"""NVFP4 decode GEMMs for Hopper (sm_90, M <= 16 tokens), in Gluon: y = x @ W^T.
 
-`decode_matmul(x, w, out)`: x bf16 [M, K] (unit stride along K), w an NVFP4 weight as in
+`decode_matmul(x, w, out)` (mma.sync, the format selects it at M <= 4) and `wgmma_matmul(x, w,
+out)` (warpgroup MMA, at 5..16): x bf16 [M, K] (unit stride along K), w an NVFP4 weight as in
 engine/kernels/nvfp4_triton.py (K % 64 == 0; K % 128 == 0 when tiled); with swiglu=True, W a fused
-gate/up projection and out silu(gate) * up [M, N/2]. `decode_config` / `swiglu_config` hold its
-tuning constants. The NVFP4 format (engine/formats/nvfp4.py) selects it where it is fastest: the
-fewest tokens (its x traffic grows with M, where WGMMA's shared x does not).
+gate/up projection and out silu(gate) * up [M, N/2]. `decode_config` / `swiglu_config` /
+`wgmma_config` hold their tuning constants. Both read each weight byte once, straight into
+registers; they differ in where x comes from, whose traffic grows with M.
 
-Design (Marlin-style: every operand in registers, explicit layouts checked at compile time):
+mma.sync kernel (Marlin-style: every operand in registers, explicit layouts checked at compile time):
 - mma.sync m16n8k16 bf16 -> fp32; the weights are the A operand (16 rows), x^T the B operand (one
   n8 token tile for M <= 8, two for 9..16).
 - Packed words load straight into the A fragment's registers: the K permutation of the Triton
@@ -25,6 +26,12 @@ Design (Marlin-style: every operand in registers, explicit layouts checked at co
   launch (engine/kernels/split_k.py's protocol).
 - Storage: row-major or the 16-row x 128-K tiles (TILED), where a warp's K step is one contiguous
   1 KB read: contiguity is what moves this kernel (BENCHMARKS.md lists what was tried).
+
+wgmma kernel (`nvfp4_wgmma_decode_kernel`): the same weight loads and decode, into the A operand of
+wgmma m64nMPk16 (one warpgroup per 64 rows); x, the B operand, comes from shared memory, read by
+the tensor cores once per warpgroup where the mma.sync kernel reads it from L1 once per warp (at
+16 tokens 4 bytes of x per weight byte). x moves with the weights, two K steps ahead, through
+registers (where it is permuted to the logical K order) into a ring of 4 steps.
 """
 from __future__ import annotations
 
@@ -33,6 +40,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
 from engine.kernels.platform import sm_count
 from engine.kernels.split_k import split_k_buffers
@@ -368,8 +376,12 @@ def store_rows(ROW_SCALE: gl.constexpr, acc, scale_ptr, n0, pid_n, M, N, out_ptr
     SwiGLU) adds y into out, the residual, and writes xg = out * g_ptr and the tile's sums of
     squares to parts_ptr row pid_n."""
     mma: gl.constexpr = acc.type.layout
-    total = gl.sum(acc, axis=0)
-    out_layout: gl.constexpr = gl.SliceLayout(0, mma)
+    if len(acc.shape) == 3:  # [WK, BLOCK_N, MP]: the warps' K slices
+        total = gl.sum(acc, axis=0)
+        out_layout: gl.constexpr = gl.SliceLayout(0, mma)
+    else:  # [BLOCK_N, MP]: one warpgroup MMA accumulator
+        total = acc
+        out_layout: gl.constexpr = mma
     rows_o = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
     cols_o = gl.arange(0, MP, layout=gl.SliceLayout(0, out_layout))
     offs = cols_o[None, :] * stride_om + rows_o[:, None]
@@ -482,6 +494,125 @@ def nvfp4_decode_kernel(
                count_ptr, BLOCK_N, MP, SPLIT_K, WN if SWIGLU else 0)
 
 
+@gluon.constexpr_function
+def wgmma_layout(num_warps, mp):
+    """The warpgroup MMA's accumulator [BLOCK_N, MP]: 16 rows a warp, the warpgroups stacked, row
+    blocks past 16 * num_warps in registers (as `_bases` places rows with WN = num_warps)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                     instr_shape=[16, mp, 16])
+
+
+@gluon.jit
+def _wgmma_step(words, scales, x_step, acc, BLOCK_N: gl.constexpr, WPT: gl.constexpr):
+    """acc += decode(words, scales) @ x_step^T for one K step: the decoded weights are the warpgroup
+    MMA's A operand in registers, x_step [MP, STEP_K] (logical K order) its B from shared memory."""
+    STEP_K: gl.constexpr = 32 * WPT
+    s = _word_scales(scales, words, 1, BLOCK_N, WPT)
+    w = gl.inline_asm_elementwise(_DECODE_ASM, _DECODE_CONSTRAINTS, [_dup8(words), _dup8(s)],
+                                  dtype=gl.bfloat16, is_pure=True, pack=8)
+    w = w.reshape(BLOCK_N, 4, WPT, 2, 2, 2).permute(0, 2, 3, 4, 1, 5).reshape(BLOCK_N, STEP_K)
+    a = gl.convert_layout(w, gl.DotOperandLayout(0, acc.type.layout, 2), assert_trivial=True)
+    return warpgroup_mma(a, x_step.permute((1, 0)), acc)
+
+
+@gluon.jit
+def _stage_x(x_smem, slot, x, MP: gl.constexpr, WPT: gl.constexpr):
+    """One K step of x [MP, STEP_K], loaded in physical K order, into ring slot `slot` in the
+    logical order of the decoded weights: physical 8*WPT*q + 8c + 4p + 2b + h -> logical
+    32c + 16b + 8h + 2q + p (as _mma_step permutes it in registers)."""
+    x_smem.index(slot).store(x.reshape(MP, 4, WPT, 2, 2, 2).permute(0, 2, 4, 5, 1, 3).reshape(MP, 32 * WPT))
+
+
+@gluon.jit(do_not_specialize=["M"])
+def nvfp4_wgmma_decode_kernel(
+    x_ptr, words_ptr, scale_ptr, tensor_scale_ptr, out_ptr, acc_ptr, count_ptr,
+    M, N, stride_xm, stride_om, K: gl.constexpr,
+    BLOCK_N: gl.constexpr, WPT: gl.constexpr, MP: gl.constexpr, SPLIT_K: gl.constexpr,
+    TILED: gl.constexpr = False, SWIGLU: gl.constexpr = False,
+):
+    """nvfp4_decode_kernel's y = x @ W^T (same arguments, storage, split-K and SwiGLU epilogue)
+    with the warpgroup MMA, for 5..16 tokens: each warp loads and decodes its 16-row blocks'
+    weights into registers as there, but they are wgmma's A operand, and x, the B operand, is read
+    from shared memory once per warpgroup instead of from L1 once per warp (at 16 tokens a warp's
+    x is 4 times its weight bytes). x travels with the weights, two K steps ahead, through
+    registers (to permute it to the decoded weights' K order) into a ring of 4 steps in shared
+    memory; a CTA barrier per two steps publishes it (the compiler adds one before each slot's
+    store: it cannot tell the slots apart)."""
+    NW: gl.constexpr = gl.num_warps()
+    STEP_K: gl.constexpr = 32 * WPT
+    ROWS_PER_STEP: gl.constexpr = 16 if TILED else 1
+    K_CTA: gl.constexpr = K // SPLIT_K
+    STEPS: gl.constexpr = K_CTA // STEP_K
+    acc_layout: gl.constexpr = wgmma_layout(NW, MP)
+    # x's loads: 8 consecutive K (16 bytes) a thread, a step's [MP, STEP_K] across the CTA.
+    xl: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // STEP_K, STEP_K // 8], [NW, 1], [1, 0])
+    x_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, 2 * STEP_K),
+                                                       element_bitwidth=16, rank=2)
+
+    pid_n = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    k0 = pid_k * K_CTA
+    words_ptrs, scale_ptrs, _ = stream_pointers(
+        words_ptr, scale_ptr, x_ptr, n0, k0, M, N, stride_xm, K, BLOCK_N, WPT, MP, NW, 1, STEP_K,
+        TILED, SWIGLU)
+    if SWIGLU:
+        gl.static_assert((BLOCK_N // (16 * NW)) % 2 == 0, "SwiGLU: an even number of row blocks per warp")
+    W_STEP: gl.constexpr = 4 * WPT * ROWS_PER_STEP
+    S_STEP: gl.constexpr = 4 * ROWS_PER_STEP
+    x_rows = gl.arange(0, MP, layout=gl.SliceLayout(1, xl))
+    x_cols = gl.arange(0, STEP_K, layout=gl.SliceLayout(0, xl))
+    x_ptrs = x_ptr + gl.minimum(x_rows, M - 1)[:, None] * stride_xm + (k0 + x_cols)[None, :]
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [4, MP, STEP_K], x_smem_layout)
+
+    SECOND: gl.constexpr = 1 if STEPS > 1 else 0  # one step only: b repeats a, never used
+    w_a, s_a = _load_step(words_ptrs, scale_ptrs, 0, 1, W_STEP, S_STEP)
+    x_a = gl.load(x_ptrs)
+    w_b, s_b = _load_step(words_ptrs, scale_ptrs, SECOND, 1, W_STEP, S_STEP)
+    x_b = gl.load(x_ptrs + SECOND * STEP_K)
+    acc = gl.zeros([BLOCK_N, MP], gl.float32, layout=acc_layout)
+    # Body t consumes steps 2t, 2t + 1 from slots 2(t % 2), +1 and refills the registers with
+    # 2t + 2, 2t + 3. A slot is rewritten two bodies after it was read, past a barrier that every
+    # warp reaches only once its (synchronous) MMAs of the body between have finished.
+    ITERS: gl.constexpr = (STEPS - 2) // 2 if STEPS > 1 else 0
+    for t in range(ITERS):
+        slot = (t % 2) * 2
+        _stage_x(x_smem, slot, x_a, MP, WPT)
+        _stage_x(x_smem, slot + 1, x_b, MP, WPT)
+        fence_async_shared()
+        _cta_barrier()
+        acc = _wgmma_step(w_a, s_a, x_smem.index(slot), acc, BLOCK_N, WPT)
+        w_a, s_a = _load_step(words_ptrs, scale_ptrs, 2, 1, W_STEP, S_STEP)
+        x_a = gl.load(x_ptrs + 2 * STEP_K)
+        acc = _wgmma_step(w_b, s_b, x_smem.index(slot + 1), acc, BLOCK_N, WPT)
+        w_b, s_b = _load_step(words_ptrs, scale_ptrs, 3, 1, W_STEP, S_STEP)
+        x_b = gl.load(x_ptrs + 3 * STEP_K)
+        words_ptrs += 2 * W_STEP
+        scale_ptrs += 2 * S_STEP
+        x_ptrs += 2 * STEP_K
+    LEFT: gl.constexpr = STEPS - 2 * ITERS  # 1, 2 or 3
+    SLOT: gl.constexpr = (ITERS % 2) * 2
+    _stage_x(x_smem, SLOT, x_a, MP, WPT)
+    if LEFT >= 2:
+        _stage_x(x_smem, SLOT + 1, x_b, MP, WPT)
+    fence_async_shared()
+    _cta_barrier()
+    acc = _wgmma_step(w_a, s_a, x_smem.index(SLOT), acc, BLOCK_N, WPT)
+    if LEFT == 3:
+        w_a, s_a = _load_step(words_ptrs, scale_ptrs, 2, 1, W_STEP, S_STEP)
+        x_a = gl.load(x_ptrs + 2 * STEP_K)
+    if LEFT >= 2:
+        acc = _wgmma_step(w_b, s_b, x_smem.index(SLOT + 1), acc, BLOCK_N, WPT)
+    if LEFT == 3:
+        _stage_x(x_smem, 2 - SLOT, x_a, MP, WPT)
+        fence_async_shared()
+        _cta_barrier()
+        acc = _wgmma_step(w_a, s_a, x_smem.index(2 - SLOT), acc, BLOCK_N, WPT)
+
+    store_rows(_times_tensor_scale, acc, tensor_scale_ptr, n0, pid_n, M, N, out_ptr, stride_om, acc_ptr,
+               count_ptr, BLOCK_N, MP, SPLIT_K, NW if SWIGLU else 0)
+
+
 def decode_config(m: int, n: int, k: int, sm_count: int, block_n: int | None = None,
                   warps_k: int | None = None, split_k: int | None = None,
                   num_warps: int | None = None, words_per_thread: int | None = None) -> dict:
@@ -558,3 +689,50 @@ def swiglu_config(m: int, n: int, k: int, sm_count: int) -> dict:
         else:
             cfg["BLOCK_N"] *= 2
     return cfg
+
+
+def wgmma_config(m: int, n: int, k: int, sm_count: int, block_n: int | None = None,
+                 split_k: int | None = None, num_warps: int | None = None,
+                 words_per_thread: int | None = None, swiglu: bool = False) -> dict:
+    """Rows per program, split-K, words per thread and warps of the wgmma decode kernel (keyword
+    overrides for the benchmark's sweep). Default: one warpgroup, 64 rows a program (128 with the
+    SwiGLU epilogue: a gate and an up block per warp), 16 bytes a thread and row per K step of
+    128, K split 8 ways (or into the largest divisor of its steps up to 8 that leaves each
+    program 2): at 16 tokens the fastest of splits 1 to 16 with 64 rows and 4 warps or 128 rows
+    and 4 or 8 warps on every Llama-3.1-8B shape (BENCHMARKS.md), programs of 4 K steps (14 on
+    the down projection) beating longer ones."""
+    wpt = words_per_thread or (4 if k % 128 == 0 else 2)
+    step = 32 * wpt
+    num_warps = num_warps or 4
+    block_n = block_n or 16 * num_warps * (2 if swiglu else 1)
+    steps = k // step
+    if split_k is None:
+        split_k = max((s for s in range(1, 9) if steps % s == 0 and steps // s >= 2), default=1)
+    if k % (split_k * step):
+        raise ValueError(f"K={k} is not a multiple of SPLIT_K={split_k} x {step}")
+    if block_n % (16 * num_warps) or num_warps % 4:
+        raise ValueError(f"{num_warps} warps (whole warpgroups): BLOCK_N={block_n} does not fit")
+    return {"BLOCK_N": block_n, "SPLIT_K": split_k, "WPT": wpt, "num_warps": num_warps}
+
+
+def wgmma_matmul(x: torch.Tensor, w, out: torch.Tensor, config: dict | None = None,
+                 swiglu: bool = False) -> torch.Tensor:
+    """decode_matmul's out = x @ W^T (or its SwiGLU) through the wgmma decode kernel, M <= 16."""
+    m, k = x.shape
+    n = w.shape[0]
+    if config is None:
+        config = wgmma_config(m, n, k, sm_count(x.device), swiglu=swiglu)
+    cfg = dict(config, TILED=w.tiled, SWIGLU=swiglu)
+    if w.tiled and cfg["WPT"] < 4:
+        raise ValueError("a tiled NVFP4 weight needs 4 or 8 words per thread and step")
+    if swiglu and (n % 32 or (cfg["BLOCK_N"] // (16 * cfg["num_warps"])) % 2):
+        raise ValueError(f"SwiGLU epilogue: N/2 a multiple of 16 and an even number of row blocks "
+                         f"per warp (N={n}, BLOCK_N={cfg['BLOCK_N']})")
+    split = cfg["SPLIT_K"]
+    tiles = triton.cdiv(n // 2, cfg["BLOCK_N"] // 2) if swiglu else triton.cdiv(n, cfg["BLOCK_N"])
+    acc, count = (split_k_buffers(x.device, m * tiles * cfg["BLOCK_N"], tiles) if split > 1
+                  else (out, out))
+    nvfp4_wgmma_decode_kernel[(tiles, split)](
+        x, w.packed.view(torch.int32), w.block_scale.view(torch.uint8), w.tensor_scale, out, acc,
+        count, m, n, x.stride(0), out.stride(0), K=k, MP=8 if m <= 8 else 16, **cfg)
+    return out
