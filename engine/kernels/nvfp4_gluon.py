@@ -657,13 +657,20 @@ def decode_matmul(x: torch.Tensor, w, out: torch.Tensor, config: dict | None = N
     swiglu: W a fused gate/up projection, out[M, N/2] = silu(gate) * up (swiglu_config's
     configurations; N/2 a multiple of 16)."""
     m, k = x.shape
-    n = w.shape[0]
     if config is None:
-        config = (swiglu_config if swiglu else decode_config)(m, n, k, sm_count(x.device))
+        config = (swiglu_config if swiglu else decode_config)(m, w.shape[0], k, sm_count(x.device))
+    row_warps = config["num_warps"] // config["WK"]
+    return _launch(nvfp4_decode_kernel, x, w, out, config, swiglu, config["BLOCK_N"] // (16 * row_warps))
+
+
+def _launch(kernel, x: torch.Tensor, w, out: torch.Tensor, config: dict, swiglu: bool, row_blocks: int):
+    """Either decode kernel over x [M, K] and the NVFP4 weight w into out (their arguments, grid and
+    split-K scratch are the same); row_blocks: 16-row blocks per warp, which SwiGLU pairs."""
+    m, k = x.shape
+    n = w.shape[0]
     cfg = dict(config, TILED=w.tiled, SWIGLU=swiglu)
     if w.tiled and cfg["WPT"] < 4:
         raise ValueError("a tiled NVFP4 weight needs 4 or 8 words per thread and step")
-    row_blocks = cfg["BLOCK_N"] // (16 * (cfg["num_warps"] // cfg["WK"]))
     if swiglu and (n % 32 or row_blocks % 2):
         raise ValueError(f"SwiGLU epilogue: N/2 a multiple of 16 and an even number of row blocks "
                          f"per warp (N={n}, {row_blocks})")
@@ -671,7 +678,7 @@ def decode_matmul(x: torch.Tensor, w, out: torch.Tensor, config: dict | None = N
     tiles = triton.cdiv(n // 2, cfg["BLOCK_N"] // 2) if swiglu else triton.cdiv(n, cfg["BLOCK_N"])
     acc, count = (split_k_buffers(x.device, m * tiles * cfg["BLOCK_N"], tiles) if split > 1
                   else (out, out))
-    nvfp4_decode_kernel[(tiles, split)](
+    kernel[(tiles, split)](
         x, w.packed.view(torch.int32), w.block_scale.view(torch.uint8), w.tensor_scale, out, acc,
         count, m, n, x.stride(0), out.stride(0), K=k, MP=8 if m <= 8 else 16, **cfg)
     return out
@@ -719,20 +726,7 @@ def wgmma_matmul(x: torch.Tensor, w, out: torch.Tensor, config: dict | None = No
                  swiglu: bool = False) -> torch.Tensor:
     """decode_matmul's out = x @ W^T (or its SwiGLU) through the wgmma decode kernel, M <= 16."""
     m, k = x.shape
-    n = w.shape[0]
     if config is None:
-        config = wgmma_config(m, n, k, sm_count(x.device), swiglu=swiglu)
-    cfg = dict(config, TILED=w.tiled, SWIGLU=swiglu)
-    if w.tiled and cfg["WPT"] < 4:
-        raise ValueError("a tiled NVFP4 weight needs 4 or 8 words per thread and step")
-    if swiglu and (n % 32 or (cfg["BLOCK_N"] // (16 * cfg["num_warps"])) % 2):
-        raise ValueError(f"SwiGLU epilogue: N/2 a multiple of 16 and an even number of row blocks "
-                         f"per warp (N={n}, BLOCK_N={cfg['BLOCK_N']})")
-    split = cfg["SPLIT_K"]
-    tiles = triton.cdiv(n // 2, cfg["BLOCK_N"] // 2) if swiglu else triton.cdiv(n, cfg["BLOCK_N"])
-    acc, count = (split_k_buffers(x.device, m * tiles * cfg["BLOCK_N"], tiles) if split > 1
-                  else (out, out))
-    nvfp4_wgmma_decode_kernel[(tiles, split)](
-        x, w.packed.view(torch.int32), w.block_scale.view(torch.uint8), w.tensor_scale, out, acc,
-        count, m, n, x.stride(0), out.stride(0), K=k, MP=8 if m <= 8 else 16, **cfg)
-    return out
+        config = wgmma_config(m, w.shape[0], k, sm_count(x.device), swiglu=swiglu)
+    return _launch(nvfp4_wgmma_decode_kernel, x, w, out, config, swiglu,
+                   config["BLOCK_N"] // (16 * config["num_warps"]))
