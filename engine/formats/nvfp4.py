@@ -27,9 +27,10 @@ The NVFP4 GEMM, per architecture (engine/kernels/select.py):
   bf16 (exact). Larger M is compute-bound: the weight is decoded once per call into a reused
   buffer as FP8 rows (`to_fp8`: one more rounding of each weight, to e4m3's 4 significant bits)
   and the CuTe DSL FP8 GEMM runs (W8A8 on tensor cores twice as fast as bf16's;
-  `nvfp4_fp8_linear_reference`). Its activations are e4m3 per token: the RMSNorm or SwiGLU before the GEMM writes them so
-  (`input_quant`), as for `--weights fp8`. Where the FP8 GEMM cannot run (no CuTe DSL, or N % 64
-  != 0), the weight is decoded to bf16 for cuBLAS instead (W4A16, exact).
+  `nvfp4_fp8_linear_reference`). Its activations are e4m3 per token: the RMSNorm or SwiGLU
+  before the GEMM writes them so (`input_quant`), as for `--weights fp8`. Where the FP8 GEMM
+  cannot run (no CuTe DSL, or N % 64 != 0), the weight is decoded to bf16 for cuBLAS instead
+  (W4A16, exact).
 - sm_100: the CuTe DSL tcgen05 block-scaled kernel (W4A4: activations quantised to NVFP4 per call;
   N % 128 == 0, K % 256 == 0), else the Triton decode kernel, else decode to bf16 + cuBLAS (exact).
 - anything else: the Triton decode kernel, decode + cuBLAS, or the reference.
