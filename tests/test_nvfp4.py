@@ -727,6 +727,23 @@ def test_gpu_gluon_decode_kernel_configs_and_tails():
                         assert rel_err(out, ref) < tol, (n, k, m, config, dtype)
 
 
+def check_swiglu(matmul, w, dq, configs, ms):
+    """matmul(x, w, out, config, swiglu=True), W a fused gate/up weight whose dequantised values
+    are dq [2F, K] (float64), for every config and M, twice (the split-K scratch must be back at
+    zero), into poisoned fp32 outputs, against silu(gate) * up in float64."""
+    f, k = dq.shape[0] // 2, dq.shape[1]
+    for config in configs:
+        for m in ms:
+            for _ in range(2):
+                x = torch.randn(m, k, device=dq.device, dtype=torch.bfloat16)
+                y = x.double() @ dq.t()
+                ref = torch.nn.functional.silu(y[:, :f]) * y[:, f:]
+                out = torch.full((m, f), float("nan"), device=dq.device, dtype=torch.float32)
+                matmul(x, w, out, config, swiglu=True)
+                assert not out.isnan().any(), (f, k, m, config)
+                assert rel_err(out, ref) < 1e-5, (f, k, m, config)
+
+
 @pytest.mark.gpu
 def test_gpu_gluon_swiglu_epilogue():
     # silu(gate) * up of a fused gate/up weight in the Gluon decode kernel's epilogue: random F
@@ -748,16 +765,7 @@ def test_gpu_gluon_swiglu_epilogue():
                           words_per_thread=wpt)
             for nw, bn, wk, split in [(4, 32, 4, 1), (4, 64, 2, 2), (4, 128, 1, 1), (8, 64, 4, 4)]
             if k % (split * wk * 32 * wpt) == 0]
-        for config in configs:
-            for m in (1, int(torch.randint(2, 5, ())), 9):
-                for _ in range(2):
-                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                    y = x.double() @ dq.t()
-                    ref = torch.nn.functional.silu(y[:, :f]) * y[:, f:]
-                    out = torch.full((m, f), float("nan"), device="cuda", dtype=torch.float32)
-                    decode_matmul(x, w, out, config, swiglu=True)
-                    assert not out.isnan().any(), (f, k, m, config)
-                    assert rel_err(out, ref) < 1e-5, (f, k, m, config)
+        check_swiglu(decode_matmul, w, dq, configs, (1, int(torch.randint(2, 5, ())), 9))
     backend = nv.Nvfp4Weight.from_dense(torch.randn(2 * 4096, 1024, device="cuda", dtype=torch.bfloat16))
     assert backend.tensor.tiled
     x = torch.randn(3, 1024, device="cuda", dtype=torch.bfloat16)
@@ -807,16 +815,7 @@ def test_gpu_gluon_wgmma_decode_kernel_configs_and_tails():
             w = nv.to_tiles(w)
         configs = [None, wgmma_config(1, n, k, sms, split_k=1, swiglu=True),
                    wgmma_config(1, n, k, sms, block_n=256, num_warps=8, swiglu=True)]
-        for config in configs:
-            for m in (1, 9, 16):
-                for _ in range(2):
-                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                    y = x.double() @ dq.t()
-                    ref = torch.nn.functional.silu(y[:, :f]) * y[:, f:]
-                    out = torch.full((m, f), float("nan"), device="cuda", dtype=torch.float32)
-                    wgmma_matmul(x, w, out, config, swiglu=True)
-                    assert not out.isnan().any(), (f, k, m, config)
-                    assert rel_err(out, ref) < 1e-5, (f, k, m, config)
+        check_swiglu(wgmma_matmul, w, dq, configs, (1, 9, 16))
     backend = nv.Nvfp4Weight.from_dense(torch.randn(2 * 4096, 1024, device="cuda", dtype=torch.bfloat16))
     x = torch.randn(12, 1024, device="cuda", dtype=torch.bfloat16)
     y = x.double() @ nv.dequantize(backend.tensor).double().t()
