@@ -93,6 +93,17 @@ def check(name, out, ref, tol=1e-2):
     return err
 
 
+def print_sweep(title: str, columns: list[str], rows: list[tuple]) -> None:
+    """A sweep's table, if it ran: rows of (N, K, M, *configuration, us, fraction of copy BW)."""
+    if not rows:
+        return
+    print(f"\n{title}")
+    print("| " + " | ".join(["N", "K", "M", *columns, "us", "of copy BW"]) + " |")
+    print("|" + "---|" * (len(columns) + 5))
+    for *config, t, of_copy in rows:
+        print("| " + " | ".join(str(v) for v in config) + f" | {t:.1f} | {of_copy:.0%} |")
+
+
 SWEEP = [  # Triton decode kernel: (BLOCK_N, BLOCK_K, words per thread, num_warps, num_stages)
     (128, 256, 4, 4, 3), (128, 128, 4, 4, 4), (128, 256, 2, 4, 3), (64, 128, 2, 4, 6),
     (128, 128, 2, 8, 3), (256, 256, 4, 8, 3)]
@@ -252,25 +263,12 @@ def main():
         qs = rows_q = bs = fs = dq_ref = None  # free the copies before the next shape
         torch.cuda.empty_cache()
 
-    if wgmma_sweep_rows:
-        print("\nNVFP4 Gluon wgmma decode kernel configurations")
-        print("| N | K | M | warps | BLOCK_N | SPLIT_K | us | of copy BW |")
-        print("|---|---|---|---|---|---|---|---|")
-        for r in wgmma_sweep_rows:
-            print("| " + " | ".join(str(v) for v in r[:6]) + f" | {r[6]:.1f} | {r[7]:.0%} |")
-    if gluon_sweep_rows:
-        print("\nNVFP4 Gluon decode kernel configurations")
-        print("| N | K | M | warps | BLOCK_N | warps along K | words/thread | SPLIT_K | us "
-              "| of copy BW |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        for r in gluon_sweep_rows:
-            print("| " + " | ".join(str(v) for v in r[:8]) + f" | {r[8]:.1f} | {r[9]:.0%} |")
-    if sweep_rows:
-        print("\nNVFP4 Triton decode kernel configurations")
-        print("| N | K | M | BLOCK_N | BLOCK_K | words/thread | warps | stages | SPLIT_K | us | of copy BW |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
-        for r in sweep_rows:
-            print("| " + " | ".join(str(v) for v in r[:9]) + f" | {r[9]:.1f} | {r[10]:.0%} |")
+    print_sweep("NVFP4 Gluon wgmma decode kernel configurations",
+                ["warps", "BLOCK_N", "SPLIT_K"], wgmma_sweep_rows)
+    print_sweep("NVFP4 Gluon decode kernel configurations",
+                ["warps", "BLOCK_N", "warps along K", "words/thread", "SPLIT_K"], gluon_sweep_rows)
+    print_sweep("NVFP4 Triton decode kernel configurations",
+                ["BLOCK_N", "BLOCK_K", "words/thread", "warps", "stages", "SPLIT_K"], sweep_rows)
     print(f"\nceilings: HBM copy {copy_gbs:.0f} GB/s (read+write), bf16 {peak_tflops:.0f} TFLOP/s; "
           "bytes = weights as stored + x + y (dequant+cuBLAS also counts its bf16 write and read)")
     print("| N | K | M | variant | us | MB moved | GB/s | of copy BW | TFLOP/s | rel err |")
