@@ -690,6 +690,30 @@ def test_gpu_decode_kernel_configs_and_tails():
                 check_twice(m, config)
 
 
+def random_weight(n, k, tiled):
+    """An NVFP4 weight of N rows with scales spread over rows (tiled storage if asked) on the GPU,
+    and its dequantised values [N, K] in float64."""
+    w = nv.quantize(torch.randn(n, k, device="cuda") * torch.rand(n, 1, device="cuda"))
+    dq = nv.dequantize(w).double()
+    return (nv.to_tiles(w) if tiled else w), dq
+
+
+def check_matmul(matmul, w, dq, configs, ms):
+    """matmul(x, w, out, config) for every config and M, twice (the split-K scratch must be back at
+    zero), into poisoned fp32 and bf16 outputs, against x @ dq^T in float64."""
+    n, k = dq.shape
+    for config in configs:
+        for m in ms:
+            for _ in range(2):
+                x = torch.randn(m, k, device=dq.device, dtype=torch.bfloat16)
+                ref = x.double() @ dq.t()
+                for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 5e-3)):
+                    out = torch.full((m, n), float("nan"), device=dq.device, dtype=dtype)
+                    matmul(x, w, out, config)
+                    assert not out.isnan().any(), (n, k, m, config, dtype)
+                    assert rel_err(out, ref) < tol, (n, k, m, config, dtype)
+
+
 @pytest.mark.gpu
 def test_gpu_gluon_decode_kernel_configs_and_tails():
     # The Gluon decode kernel: random N (tails), K with an odd number of steps (576), M from both
@@ -705,26 +729,15 @@ def test_gpu_gluon_decode_kernel_configs_and_tails():
                         (300, 576, False), (384, 256, False), (200, 64, False),
                         (16 * int(torch.randint(5, 190, ())), 4096, True), (4096, 14336, True),
                         (384, 256, True)]:
-        w = nv.quantize(torch.randn(n, k, device="cuda") * torch.rand(n, 1, device="cuda"))
-        dq = nv.dequantize(w).double()
-        if tiled:
-            w = nv.to_tiles(w)
+        w, dq = random_weight(n, k, tiled)
         configs = [None] + [decode_config(1, n, k, sms, num_warps=nw, block_n=bn, warps_k=wk,
                                           split_k=split, words_per_thread=wpt)
                             for nw, bn, wk, split, wpt in [(4, 64, 1, 2, 4), (4, 32, 2, 4, 4),
                                                            (8, 32, 4, 1, 8), (4, 16, 4, 2, 8),
                                                            (2, 32, 1, 3, 2)]
                             if k % (split * wk * 32 * wpt) == 0 and k != 14336 and (wpt >= 4 or not tiled)]
-        for config in configs:
-            for m in (1, int(torch.randint(2, 9, ())), 9, int(torch.randint(10, 17, ()))):
-                for _ in range(2):
-                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                    ref = x.double() @ dq.t()
-                    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 5e-3)):
-                        out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
-                        decode_matmul(x, w, out, config)
-                        assert not out.isnan().any(), (n, k, m, config, dtype)
-                        assert rel_err(out, ref) < tol, (n, k, m, config, dtype)
+        ms = (1, int(torch.randint(2, 9, ())), 9, int(torch.randint(10, 17, ())))
+        check_matmul(decode_matmul, w, dq, configs, ms)
 
 
 def check_swiglu(matmul, w, dq, configs, ms):
@@ -755,10 +768,7 @@ def test_gpu_gluon_swiglu_epilogue():
     for f, k, tiled in [(16 * int(torch.randint(3, 400, ())), 4096, True), (14336, 4096, True),
                         (16 * int(torch.randint(3, 400, ())), 4096, False), (304, 576, False)]:
         n = 2 * f
-        w = nv.quantize(torch.randn(n, k, device="cuda") * torch.rand(n, 1, device="cuda"))
-        dq = nv.dequantize(w).double()
-        if tiled:
-            w = nv.to_tiles(w)
+        w, dq = random_weight(n, k, tiled)
         wpt = 4 if k % 128 == 0 else 2
         configs = [swiglu_config(1, n, k, sms)] + [
             decode_config(1, n, k, sms, num_warps=nw, block_n=bn, warps_k=wk, split_k=split,
@@ -788,31 +798,17 @@ def test_gpu_gluon_wgmma_decode_kernel_configs_and_tails():
     for n, k, tiled in [(int(torch.randint(65, 3000, ())), 4096, False), (4096, 14336, True),
                         (300, 576, False), (200, 64, False), (16 * int(torch.randint(5, 190, ())), 4096, True),
                         (384, 384, True), (384, 256, True)]:
-        w = nv.quantize(torch.randn(n, k, device="cuda") * torch.rand(n, 1, device="cuda"))
-        dq = nv.dequantize(w).double()
-        if tiled:
-            w = nv.to_tiles(w)
+        w, dq = random_weight(n, k, tiled)
         steps = k // (128 if k % 128 == 0 else 64)
         splits = {1, max(1, steps // 3) if steps % 3 == 0 else 1} if k < 4096 else {1, 7 if steps % 7 == 0 else 2}
         configs = [None] + [wgmma_config(1, n, k, sms, split_k=s, block_n=bn, num_warps=nw)
                             for s in sorted(splits) for bn, nw in ((64, 4), (128, 4), (128, 8))]
-        for config in configs:
-            for m in (1, int(torch.randint(2, 9, ())), 9, int(torch.randint(10, 17, ())), 16):
-                for _ in range(2):
-                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                    ref = x.double() @ dq.t()
-                    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 5e-3)):
-                        out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
-                        wgmma_matmul(x, w, out, config)
-                        assert not out.isnan().any(), (n, k, m, config, dtype)
-                        assert rel_err(out, ref) < tol, (n, k, m, config, dtype)
+        ms = (1, int(torch.randint(2, 9, ())), 9, int(torch.randint(10, 17, ())), 16)
+        check_matmul(wgmma_matmul, w, dq, configs, ms)
     for f, k, tiled in [(16 * int(torch.randint(3, 400, ())), 4096, True), (14336, 4096, True),
                         (16 * int(torch.randint(3, 400, ())), 4096, False), (304, 576, False)]:
         n = 2 * f
-        w = nv.quantize(torch.randn(n, k, device="cuda") * torch.rand(n, 1, device="cuda"))
-        dq = nv.dequantize(w).double()
-        if tiled:
-            w = nv.to_tiles(w)
+        w, dq = random_weight(n, k, tiled)
         configs = [None, wgmma_config(1, n, k, sms, split_k=1, swiglu=True),
                    wgmma_config(1, n, k, sms, block_n=256, num_warps=8, swiglu=True)]
         check_swiglu(wgmma_matmul, w, dq, configs, (1, 9, 16))
