@@ -6,9 +6,7 @@ GPU's work.
 
 `event_ms`: one call at a time between CUDA events (a captured graph's replay, say).
 `cold_ms`: the same, each call after `evict_l2`, so its operands come from HBM. The eviction
-reads 256 MB. triton.testing.do_bench evicts by writing a buffer instead; the timed call's loads
-then force those dirty lines back to HBM, a cost no real step pays (BENCHMARKS.md, 2:4 section,
-has its size).
+reads 256 MB (engine/kernels/tuner.py, whose timer is the same: it says why not a write).
 """
 from __future__ import annotations
 
@@ -18,6 +16,7 @@ import statistics
 import torch
 
 from engine.kernels.platform import capture
+from engine.kernels.tuner import event_ms, evict_l2
 
 
 def time_graph(fn, args, replays: int = 15, min_calls: int = 20) -> float:
@@ -46,33 +45,6 @@ def time_graph(fn, args, replays: int = 15, min_calls: int = 20) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3 / (rounds * len(args)))
-    return statistics.median(times)
-
-
-_EVICT: list = []
-
-
-def evict_l2() -> None:
-    """Fill L2 with clean lines of a 256 MB buffer (read, not written: nothing to write back)."""
-    if not _EVICT:
-        _EVICT.append(torch.ones(1 << 26, dtype=torch.int32, device="cuda"))
-    _EVICT[0].sum()
-
-
-def event_ms(fn, rep: int = 60, warmup: int = 10, before=None) -> float:
-    """Median ms of fn() between CUDA events, over `rep` calls after `warmup` untimed ones; each
-    call after before() where given (outside the events)."""
-    times = []
-    for i in range(warmup + rep):
-        if before is not None:
-            before()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
     return statistics.median(times)
 
 

@@ -144,6 +144,17 @@ def test_backend_from_dense():
     assert y.dtype == torch.bfloat16 and rel_err(y, ref) < 5e-3
 
 
+def test_backend_on_the_cpu_tunes_nothing():
+    class Tuner:
+        enabled = True
+
+        def best(self, problem, candidates):
+            raise AssertionError("off CUDA the tuner is never asked")
+    backend = nv.Nvfp4Weight.from_dense(torch.randn(64, 128, dtype=torch.bfloat16))
+    backend.tune(Tuner(), [1, 16, 64], swiglu=True)
+    assert backend.tuned == {}
+
+
 def test_custom_op_matches_reference_and_passes_opcheck():
     w = nv.quantize(torch.randn(48, 64))
     x = torch.randn(3, 64, dtype=torch.bfloat16)
@@ -833,6 +844,74 @@ def test_gpu_decode_kernel_arithmetic_fallback(monkeypatch):
             dec.decode_gemm(x, w, out, dec.small_m_config(m, n, k, 132))
             assert not out.isnan().any()
             assert rel_err(out, x.double() @ nv.dequantize(w).double().t()) < 1e-5, (n, k, m)
+
+
+@pytest.mark.gpu
+def test_gpu_tuning_offers_the_decode_kernels_and_runs_each_pick(tmp_path):
+    # Nvfp4Weight.tune at 1, 4 and 16 tokens offers exactly the decode kernels that can run there
+    # (and, for a fused gate/up weight, their SwiGLU epilogues and "separate"); whichever it is
+    # handed back is what forward / swiglu_forward then run, right and replayable in a CUDA graph.
+    # Past 16 tokens nothing is timed. Then the real tuner, whose cache a second weight reuses.
+    from engine.kernels.platform import capture
+    from engine.kernels.tuner import Tuner
+    torch.manual_seed(5)
+    w = torch.randn(2 * 1536, 1024, device="cuda", dtype=torch.bfloat16)
+    dq = nv.dequantize(nv.quantize(w)).double()
+    want = {1: (["gluon_decode", "gluon_wgmma_decode", "triton_decode"],
+                ["gluon_decode_swiglu", "gluon_wgmma_decode_swiglu", "separate"]),
+            4: (["gluon_decode", "gluon_wgmma_decode", "triton_decode"],
+                ["gluon_decode_swiglu", "gluon_wgmma_decode_swiglu", "separate"]),
+            16: (["gluon_wgmma_decode", "triton_decode"], ["gluon_wgmma_decode_swiglu", "separate"])}
+
+    def check(backend, m):
+        x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+        y = x.double() @ dq.t()
+        assert rel_err(backend(x), y) < 5e-3, (m, backend.tuned)
+        h = backend.swiglu_forward(x)
+        if h is None:
+            assert backend._swiglu_choice(m, x.dtype).kernel.name == "separate"
+        else:
+            assert rel_err(h, torch.nn.functional.silu(y[:, :1536]) * y[:, 1536:]) < 5e-3, (m, backend.tuned)
+        graph = torch.cuda.CUDAGraph()
+        with capture(graph):
+            out = backend(x)
+        x.copy_(torch.randn_like(x))
+        out.fill_(float("nan"))
+        graph.replay()
+        assert rel_err(out, x.double() @ dq.t()) < 5e-3, (m, backend.tuned)
+
+    for pick_index in (0, -1):      # the list's first, then its last (the Triton kernel, "separate")
+        offered = {}
+
+        class Picker:
+            enabled = True
+
+            def best(self, problem, candidates):
+                listed = candidates()
+                offered.setdefault(problem.m, []).append([name for name, _, _ in listed])
+                for _, _, run in listed:
+                    run()           # every candidate runs on the sample it is offered with
+                name, config, _ = listed[pick_index]
+                return name, config
+        backend = nv.Nvfp4Weight.from_dense(w)
+        backend.tune(Picker(), [1, 4, 16, 32], swiglu=True)
+        assert {m: tuple(v) for m, v in offered.items()} == {m: tuple(v) for m, v in want.items()}
+        for m in (1, 4, 16):
+            assert backend._gemm_choice(m).kernel.name == want[m][0][pick_index]
+            assert backend._swiglu_choice(m, torch.bfloat16).kernel.name == want[m][1][pick_index]
+        for m in (1, 3, 4, 5, 16, 32):
+            check(backend, m)
+    tuner = Tuner(tmp_path / "t.json")
+    backend = nv.Nvfp4Weight.from_dense(w)
+    backend.tune(tuner, [1, 4, 16], swiglu=True)
+    assert tuner.timed > 0 and set(backend.tuned) == {"nvfp4_gemm", "nvfp4_swiglu"}
+    for m in (1, 2, 4, 9, 16):
+        check(backend, m)
+    tuner.save()
+    again = Tuner(tmp_path / "t.json")
+    cached = nv.Nvfp4Weight.from_dense(w)
+    cached.tune(again, [1, 4, 16], swiglu=True)
+    assert again.timed == 0 and cached.tuned == backend.tuned
 
 
 @pytest.mark.gpu

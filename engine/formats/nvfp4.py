@@ -34,9 +34,10 @@ The NVFP4 GEMM, per architecture (engine/kernels/select.py):
 - sm_100: the CuTe DSL tcgen05 block-scaled kernel (W4A4: activations quantised to NVFP4 per call;
   N % 128 == 0, K % 256 == 0), else the Triton decode kernel, else decode to bf16 + cuBLAS (exact).
 - anything else: the Triton decode kernel, decode + cuBLAS, or the reference.
-The order is bench_nvfp4.py --decode's on the Llama-3.1-8B shapes, fixed rather than tuned: the
-tuner's timing ranks these kernels otherwise than the decode step runs them (BENCHMARKS.md, "Tried").
-The fused gate/up projection's SwiGLU runs in the Gluon kernels' epilogue where they are selected.
+The order is bench_nvfp4.py --decode's on the Llama-3.1-8B shapes; up to 16 tokens the engine's
+tuner times the decode kernels per weight at start (the mma.sync kernel wins the MLP shapes at one
+token, the wgmma kernel the attention ones), and the fused gate/up projection's SwiGLU epilogue
+against the GEMM plus the SwiGLU kernel.
 The RMSNorm hand-off (engine/kernels/stream_triton.py) does not pay in the Gluon kernel, whose
 epilogues cost what the norm kernels do (BENCHMARKS.md, "Tried"): NVFP4 keeps its norm kernels.
 """
@@ -51,7 +52,7 @@ from engine.formats.base import WeightFormat
 from engine.formats.fp8 import fp8_linear, fp8_linear_reference, quantize_act_fp8, quantize_rows_fp8
 from engine.kernels import nvfp4_triton
 from engine.kernels.platform import capability, cute_available, gluon_missing
-from engine.kernels.select import Choice, Kernel, Problem, select
+from engine.kernels.select import Choice, Kernel, Problem, m_bucket, runnable, select
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -312,6 +313,9 @@ NVFP4_GEMM = {
     10: [Kernel("cute_tcgen05_sm100", _tcgen05, check=_tcgen05_fits), TRITON_DECODE, DEQUANT_CUBLAS, REFERENCE],
     "other": [TRITON_DECODE, DEQUANT_CUBLAS, REFERENCE],
 }
+# Decode sizes, where the kernels' order differs by shape (BENCHMARKS.md, "NVFP4 weights on Hopper"):
+# Nvfp4Weight.tune times them per weight at engine start.
+TUNED_MAX_M = 16
 
 
 def _gluon_swiglu(x, w, config=None):
@@ -339,13 +343,15 @@ NVFP4_SWIGLU = {9: [Kernel("gluon_decode_swiglu", _gluon_swiglu, max_m=4, check=
                 "other": [SEPARATE]}
 
 
-def nvfp4_kernel(m: int, w: Nvfp4Tensor, device: torch.device, dtype: torch.dtype) -> Choice:
-    """The kernel (and config) that multiplies M activation rows of model dtype `dtype` by w."""
-    return select(NVFP4_GEMM, Problem("nvfp4_gemm", m, w.shape[0], w.shape[1], device, (dtype, w.tiled)))
+def nvfp4_kernel(m: int, w: Nvfp4Tensor, device: torch.device, dtype: torch.dtype,
+                 tuned: dict | None = None) -> Choice:
+    """The kernel (and config) that multiplies M activation rows of model dtype `dtype` by w
+    (tuned: the weight's {M bucket: choice} from Nvfp4Weight.tune)."""
+    return select(NVFP4_GEMM, Problem("nvfp4_gemm", m, w.shape[0], w.shape[1], device, (dtype, w.tiled)), tuned)
 
 
 def nvfp4_linear(x: torch.Tensor, w: Nvfp4Tensor, x_scale: torch.Tensor | None = None,
-                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                 out_dtype: torch.dtype | None = None, tuned: dict | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T for an NVFP4 W, fp32 accumulation, in x's dtype (out_dtype).
 
     x: bf16 / fp16 / fp32, or, where the kernel chosen for M takes FP8 activations (its
@@ -354,7 +360,7 @@ def nvfp4_linear(x: torch.Tensor, w: Nvfp4Tensor, x_scale: torch.Tensor | None =
         out_dtype = x.dtype
     elif out_dtype is None:
         raise ValueError("out_dtype: an fp8 activation needs the model dtype to write")
-    choice = nvfp4_kernel(x.shape[0], w, x.device, out_dtype)
+    choice = nvfp4_kernel(x.shape[0], w, x.device, out_dtype, tuned)
     kernel = choice.kernel
     if kernel.input_quant == "fp8":
         qx, xs = quantize_act_fp8(x) if x_scale is None else (x, x_scale.reshape(-1).float())
@@ -417,28 +423,56 @@ class Nvfp4Weight(WeightFormat):
         kernels' M): the norm or SwiGLU before then writes them quantised."""
         if torch.compiler.is_compiling():   # the custom op below takes the model dtype
             return None
-        return nvfp4_kernel(m, self.tensor, self.packed.device, self.dtype).kernel.input_quant
+        return self._gemm_choice(m).kernel.input_quant
+
+    def _gemm_choice(self, m: int) -> Choice:
+        return nvfp4_kernel(m, self.tensor, self.packed.device, self.dtype, self.tuned.get("nvfp4_gemm"))
 
     def forward(self, x: torch.Tensor, x_scale: torch.Tensor | None = None) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return nvfp4_linear_op(x, self.packed, self.block_scale, self.tensor_scale)
-        return nvfp4_linear(x, self.tensor, x_scale, self.dtype)
+        return nvfp4_linear(x, self.tensor, x_scale, self.dtype, self.tuned.get("nvfp4_gemm"))
 
     def swiglu_forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        kernel = select(NVFP4_SWIGLU, self._problem("nvfp4_swiglu", x.shape[0], x.dtype)).kernel
+        kernel = self._swiglu_choice(x.shape[0], x.dtype).kernel
         return None if kernel.run is None else kernel.run(x.contiguous(), self.tensor)
+
+    def _swiglu_choice(self, m: int, x_dtype: torch.dtype) -> Choice:
+        return select(NVFP4_SWIGLU, self._problem("nvfp4_swiglu", m, x_dtype), self.tuned.get("nvfp4_swiglu"))
 
     def _problem(self, op: str, m: int, x_dtype: torch.dtype) -> Problem:
         return Problem(op, m, self.out_features, self.in_features, self.packed.device,
                        (x_dtype, self.packed.dim() == 4))
 
     def tune(self, tuner, m_values: list[int], swiglu: bool = False) -> None:
-        """Nothing to time (one configuration per kernel): the choices for each M are made, and
-        logged, now rather than in the first step that meets them."""
+        """For each M up to TUNED_MAX_M, time the decode kernels (those listed with an M limit: W4A16,
+        the weight decoded in registers) against each other, then, for a fused gate/up weight,
+        their SwiGLU epilogues against the chosen GEMM plus the SwiGLU kernel. Past that M the
+        list's order stands. Every choice is made, and logged, now."""
         for m in m_values:
-            nvfp4_kernel(m, self.tensor, self.packed.device, self.dtype)
+            if m <= TUNED_MAX_M and self.packed.is_cuda:
+                self._tune_decode(tuner, m, swiglu)
+            self._gemm_choice(m)
             if swiglu:
-                select(NVFP4_SWIGLU, self._problem("nvfp4_swiglu", m, self.dtype))
+                self._swiglu_choice(m, self.dtype)
+
+    def _tune_decode(self, tuner, m: int, swiglu: bool) -> None:
+        from engine.kernels.swiglu import swiglu as swiglu_kernel
+        x = torch.randn(m, self.in_features, device=self.packed.device, dtype=self.dtype) * 0.1
+        w = self.tensor
+        ops = [("nvfp4_gemm", NVFP4_GEMM)] + ([("nvfp4_swiglu", NVFP4_SWIGLU)] if swiglu else [])
+        for op, table in ops:       # the GEMM first: the SwiGLU's "separate" candidate runs its choice
+            problem = self._problem(op, m, self.dtype)
+
+            def candidates(table=table, problem=problem, separate=op == "nvfp4_swiglu"):
+                listed = [(k.name, c, lambda k=k, c=c: k.run(x, w, config=c))
+                          for k, c in runnable(table, problem) if k.max_m is not None]
+                if separate and listed:
+                    listed.append((SEPARATE.name, None, lambda: swiglu_kernel(self(x))))
+                return listed
+            pick = tuner.best(problem, candidates)
+            if pick is not None:
+                self.tuned.setdefault(op, {})[m_bucket(m)] = pick
 
     def dequantize(self) -> torch.Tensor:
         if self.global_scale is None:
