@@ -2,9 +2,10 @@
 remembers the winner on disk.
 
 `Tuner.best(problem, candidates)` returns the (kernel name, config) to run `problem`'s M bucket:
-from the cache where an entry matches, else by timing every candidate (CUDA-graph replays, L2
-evicted before each, the median of 20; the three fastest timed again and ranked by the mean of
-both timings, since configurations a few microseconds apart can swap places in one timing), then saved.
+from the cache where an entry matches, else by timing every candidate (`graph_time_ms`: CUDA-graph
+replays, each after L2 is filled with clean lines, the median of 30; the three fastest timed again
+and ranked by the mean of both timings, since configurations a few microseconds apart can swap
+places in one timing), then saved.
 
 The cache is one JSON file, `$MICROENGINE_CACHE_DIR/tuning.json` (default
 `~/.cache/microengine/tuning.json`). An entry's key holds the device name, the torch / Triton /
