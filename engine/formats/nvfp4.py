@@ -34,10 +34,9 @@ The NVFP4 GEMM, per architecture (engine/kernels/select.py):
 - sm_100: the CuTe DSL tcgen05 block-scaled kernel (W4A4: activations quantised to NVFP4 per call;
   N % 128 == 0, K % 256 == 0), else the Triton decode kernel, else decode to bf16 + cuBLAS (exact).
 - anything else: the Triton decode kernel, decode + cuBLAS, or the reference.
-The order is bench_nvfp4.py --decode's on the Llama-3.1-8B shapes; up to 16 tokens the engine's
-tuner times the decode kernels per weight at start (the mma.sync kernel wins the MLP shapes at one
-token, the wgmma kernel the attention ones), and the fused gate/up projection's SwiGLU epilogue
-against the GEMM plus the SwiGLU kernel.
+The order is bench_nvfp4.py --decode's on the Llama-3.1-8B shapes. Up to 16 tokens, where the
+fastest decode kernel differs between shapes, the engine's tuner times them per weight at start,
+and the fused gate/up projection's SwiGLU epilogue against the GEMM plus the SwiGLU kernel.
 The RMSNorm hand-off (engine/kernels/stream_triton.py) does not pay in the Gluon kernel, whose
 epilogues cost what the norm kernels do (BENCHMARKS.md, "Tried"): NVFP4 keeps its norm kernels.
 """
