@@ -40,20 +40,6 @@ def default_cache_path() -> Path:
     return Path(root) / "tuning.json"
 
 
-_FLUSH: list = []
-
-
-def evict_l2() -> None:
-    """Fill L2 with clean lines of a 256 MB buffer (read, not written): the next kernel finds its
-    operands in HBM and nothing dirty to write back, as a decode step's GEMM finds its weight.
-    (triton.testing.do_bench zeroes its buffer instead; the timed kernel then pays the write-back of
-    up to an L2 of dirty lines, which ranked the NVFP4 decode kernels otherwise than the step runs
-    them: BENCHMARKS.md, "The kernel layer".)"""
-    if not _FLUSH:
-        _FLUSH.append(torch.ones(1 << 26, dtype=torch.int32, device="cuda"))
-    _FLUSH[0].sum()
-
-
 def event_ms(fn: Callable[[], object], rep: int = 60, warmup: int = 10, before=None) -> float:
     """Median ms of fn() between CUDA events, over `rep` calls after `warmup` untimed ones; each
     call after before() where given (outside the events)."""
@@ -73,8 +59,12 @@ def event_ms(fn: Callable[[], object], rep: int = 60, warmup: int = 10, before=N
 
 def graph_time_ms(fn: Callable[[], object]) -> float:
     """Median ms of fn as a decode step runs it: replayed in a CUDA graph (eager where it cannot be
-    captured), its operands in HBM (evict_l2 before each call); inf for a configuration the
-    compiler or the GPU rejects."""
+    captured), its operands in HBM; inf for a configuration the compiler or the GPU rejects.
+
+    Before each call a 256 MB read fills L2 with clean lines, so fn finds its weight in HBM and
+    nothing dirty to write back, as a step's GEMM does. (triton.testing.do_bench zeroes its buffer
+    instead: the timed kernel then pays the write-back of up to an L2 of dirty lines, which ranked
+    the NVFP4 decode kernels otherwise than the step runs them: BENCHMARKS.md, "The kernel layer".)"""
     try:
         fn()  # compile and allocate outside the capture
         torch.cuda.synchronize()
@@ -86,7 +76,8 @@ def graph_time_ms(fn: Callable[[], object]) -> float:
         torch.cuda.synchronize()
         call = fn
     try:
-        return event_ms(call, rep=30, warmup=5, before=evict_l2)
+        flush = torch.ones(1 << 26, dtype=torch.int32, device="cuda")   # freed on return
+        return event_ms(call, rep=30, warmup=5, before=flush.sum)
     except Exception:
         return float("inf")
 
