@@ -1,7 +1,8 @@
 """NVFP4 weights vs bf16 cuBLAS (and fp8 torch._scaled_mm) at Llama-3.1-8B linear shapes.
 
-For every (N, K) and M: the time of the NVFP4 GEMM the engine selects (engine/formats/nvfp4.py
-`nvfp4_linear`, named by the kernel it picks) and of each candidate kernel called directly: the
+For every (N, K) and M: the time of the NVFP4 GEMM the format's list selects untuned
+(engine/formats/nvfp4.py `nvfp4_linear`, named by the kernel it picks; up to 16 tokens the engine's
+tuner may choose another of those below per weight) and of each candidate kernel called directly: the
 Gluon decode kernels (M <= 16; weights loaded straight into registers, engine/kernels/nvfp4_gluon.py:
 mma.sync with x from registers, `decode_matmul`, and wgmma with x from shared memory,
 `wgmma_matmul`), the Triton decode kernel (M <= 128; WGMMA, engine/kernels/nvfp4_triton.py
@@ -41,7 +42,6 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 from benchmarks.timing import time_graph  # noqa: E402
 from engine.formats import nvfp4 as nv  # noqa: E402
 from engine.kernels.platform import cute_available  # noqa: E402
-from engine.kernels.select import select  # noqa: E402
 from engine.kernels.swiglu import swiglu  # noqa: E402
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate+up, down of Llama-3.1-8B
@@ -194,7 +194,7 @@ def main():
                 ref_h = F.silu(ref[:, :f]) * ref[:, f:]
                 out_h = torch.empty(m, f, device="cuda", dtype=torch.bfloat16)
                 backends = [nv.Nvfp4Weight(q, torch.bfloat16) for q in qs]
-                fused = select(nv.NVFP4_SWIGLU, backends[0]._problem("nvfp4_swiglu", m, x.dtype)).kernel.name
+                fused = backends[0]._swiglu_choice(m, x.dtype).kernel.name
                 measure(f"nvfp4 selected + SwiGLU ({fused})", lambda i: backends[i].swiglu_forward(x)
                         if fused != "separate" else swiglu(nv.nvfp4_linear(x, qs[i])), copies_q, w_q.nbytes, ref_h,
                         out_cols=f)

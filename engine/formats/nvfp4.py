@@ -244,16 +244,15 @@ def _gluon_decodable(p: Problem) -> str | None:
             or ("a tiled weight needs K % 128 == 0" if p.detail[1] and p.k % 128 else None))
 
 
-def _gluon_decode(x, w, config=None):
-    from engine.kernels.nvfp4_gluon import decode_matmul
-    out = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
-    return decode_matmul(x.to(torch.bfloat16), w, out, config).to(x.dtype)
-
-
-def _gluon_wgmma(x, w, config=None):
-    from engine.kernels.nvfp4_gluon import wgmma_matmul
-    out = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
-    return wgmma_matmul(x.to(torch.bfloat16), w, out, config).to(x.dtype)
+def _gluon(matmul: str, swiglu: bool = False):
+    """The run of a Gluon decode kernel, engine/kernels/nvfp4_gluon.py `matmul` (decode_matmul or
+    wgmma_matmul): bf16 x, the output in x's dtype; with swiglu, silu(gate) * up [M, N/2] of a
+    fused gate/up weight."""
+    def run(x, w, config=None):
+        from engine.kernels import nvfp4_gluon
+        out = torch.empty(x.shape[0], w.shape[0] // 2 if swiglu else w.shape[0], device=x.device, dtype=x.dtype)
+        return getattr(nvfp4_gluon, matmul)(x.to(torch.bfloat16), w, out, config, swiglu=swiglu).to(x.dtype)
+    return run
 
 
 def _triton_decode(x, w, config=None):
@@ -305,8 +304,8 @@ TRITON_DECODE = Kernel("triton_decode", _triton_decode, max_m=nvfp4_triton.MAX_M
 DEQUANT_CUBLAS = Kernel("dequantize_cublas", _dequant_cublas, check=_decodable)
 REFERENCE = Kernel("reference", _reference, reference=True)
 NVFP4_GEMM = {
-    9: [Kernel("gluon_decode", _gluon_decode, max_m=4, check=_gluon_decodable),
-        Kernel("gluon_wgmma_decode", _gluon_wgmma, max_m=16, check=_gluon_decodable), TRITON_DECODE,
+    9: [Kernel("gluon_decode", _gluon("decode_matmul"), max_m=4, check=_gluon_decodable),
+        Kernel("gluon_wgmma_decode", _gluon("wgmma_matmul"), max_m=16, check=_gluon_decodable), TRITON_DECODE,
         Kernel("fp8_dequantize_wgmma", _fp8_dequant_wgmma, check=_fp8_dequant_fits, input_quant="fp8"),
         DEQUANT_CUBLAS, REFERENCE],
     10: [Kernel("cute_tcgen05_sm100", _tcgen05, check=_tcgen05_fits), TRITON_DECODE, DEQUANT_CUBLAS, REFERENCE],
@@ -317,18 +316,6 @@ NVFP4_GEMM = {
 TUNED_MAX_M = 16
 
 
-def _gluon_swiglu(x, w, config=None):
-    from engine.kernels.nvfp4_gluon import decode_matmul
-    out = torch.empty(x.shape[0], w.shape[0] // 2, device=x.device, dtype=x.dtype)
-    return decode_matmul(x.to(torch.bfloat16), w, out, swiglu=True).to(x.dtype)
-
-
-def _gluon_wgmma_swiglu(x, w, config=None):
-    from engine.kernels.nvfp4_gluon import wgmma_matmul
-    out = torch.empty(x.shape[0], w.shape[0] // 2, device=x.device, dtype=x.dtype)
-    return wgmma_matmul(x.to(torch.bfloat16), w, out, swiglu=True).to(x.dtype)
-
-
 def _swiglu_fits(p: Problem) -> str | None:
     return _gluon_decodable(p) or ("needs N % 32 == 0" if p.n % 32 else None)
 
@@ -336,8 +323,8 @@ def _swiglu_fits(p: Problem) -> str | None:
 # silu(gate) * up of a fused gate/up weight in the GEMM's epilogue; "separate": the GEMM, then the
 # SwiGLU kernel (Linear.swiglu).
 SEPARATE = Kernel("separate", None, needs_cuda=False)
-NVFP4_SWIGLU = {9: [Kernel("gluon_decode_swiglu", _gluon_swiglu, max_m=4, check=_swiglu_fits),
-                    Kernel("gluon_wgmma_decode_swiglu", _gluon_wgmma_swiglu, max_m=16, check=_swiglu_fits),
+NVFP4_SWIGLU = {9: [Kernel("gluon_decode_swiglu", _gluon("decode_matmul", swiglu=True), max_m=4, check=_swiglu_fits),
+                    Kernel("gluon_wgmma_decode_swiglu", _gluon("wgmma_matmul", swiglu=True), max_m=16, check=_swiglu_fits),
                     SEPARATE],
                 "other": [SEPARATE]}
 

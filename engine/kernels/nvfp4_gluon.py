@@ -1,8 +1,9 @@
 """NVFP4 decode GEMMs for Hopper (sm_90, M <= 16 tokens), in Gluon: y = x @ W^T.
 
-`decode_matmul(x, w, out)` (mma.sync, the format selects it at M <= 4) and `wgmma_matmul(x, w,
-out)` (warpgroup MMA, at 5..16): x bf16 [M, K] (unit stride along K), w an NVFP4 weight as in
-engine/kernels/nvfp4_triton.py (K % 64 == 0; K % 128 == 0 when tiled); with swiglu=True, W a fused
+`decode_matmul(x, w, out)` (mma.sync) and `wgmma_matmul(x, w, out)` (warpgroup MMA; the format's
+list puts the first up to 4 tokens and the second up to 16, and its tuner chooses per weight): x
+bf16 [M, K] (unit stride along K), w an NVFP4 weight as in engine/kernels/nvfp4_triton.py
+(K % 64 == 0; K % 128 == 0 when tiled); with swiglu=True, W a fused
 gate/up projection and out silu(gate) * up [M, N/2]. `decode_config` / `swiglu_config` /
 `wgmma_config` hold their tuning constants. Both read each weight byte once, straight into
 registers; they differ in where x comes from, whose traffic grows with M.
