@@ -194,20 +194,33 @@ def _word_scales(scales, words, WK: gl.constexpr, BLOCK_N: gl.constexpr, WPT: gl
 
 
 @gluon.jit
-def _mma_step(words, scales, x, acc, WK: gl.constexpr, BLOCK_N: gl.constexpr, WPT: gl.constexpr,
-              MP: gl.constexpr):
-    """acc += decode(words, scales) @ x^T for one K step, all in registers."""
-    STEP_K: gl.constexpr = 32 * WPT
-    mma: gl.constexpr = acc.type.layout
+def _decode_words(words, scales, WK: gl.constexpr, BLOCK_N: gl.constexpr, WPT: gl.constexpr):
+    """One K step's packed words [WK, BLOCK_N, 4 * WPT] and block scales -> the bf16 weights
+    [WK, BLOCK_N, 32 * WPT] (times 2^-8) in logical K order, each thread's values where it loaded
+    their words: [.., rows, word j = (q, c), b, h, p] -> logical K = 32c + 16b + 8h + 2q + p."""
     s = _word_scales(scales, words, WK, BLOCK_N, WPT)
     w = gl.inline_asm_elementwise(_DECODE_ASM, _DECODE_CONSTRAINTS, [_dup8(words), _dup8(s)],
                                   dtype=gl.bfloat16, is_pure=True, pack=8)
-    # [.., rows, word j = (q, c), b, h, p] -> logical K = 32c + 16b + 8h + 2q + p
     w = w.reshape(WK, BLOCK_N, 4, WPT, 2, 2, 2).permute(0, 1, 3, 4, 5, 2, 6)
-    a = gl.convert_layout(w.reshape(WK, BLOCK_N, STEP_K), gl.DotOperandLayout(0, mma, 2),
+    return w.reshape(WK, BLOCK_N, 32 * WPT)
+
+
+@gluon.jit
+def _logical_x(x, LEAD: gl.constexpr, MP: gl.constexpr, WPT: gl.constexpr):
+    """x [LEAD, MP, 32 * WPT] of one K step in physical K order, 8*WPT*q + 8c + 4p + 2b + h, ->
+    the logical order of `_decode_words`, 32c + 16b + 8h + 2q + p."""
+    xt = x.reshape(LEAD, MP, 4, WPT, 2, 2, 2).permute(0, 1, 3, 5, 6, 2, 4)
+    return xt.reshape(LEAD, MP, 32 * WPT)
+
+
+@gluon.jit
+def _mma_step(words, scales, x, acc, WK: gl.constexpr, BLOCK_N: gl.constexpr, WPT: gl.constexpr,
+              MP: gl.constexpr):
+    """acc += decode(words, scales) @ x^T for one K step, all in registers."""
+    mma: gl.constexpr = acc.type.layout
+    a = gl.convert_layout(_decode_words(words, scales, WK, BLOCK_N, WPT), gl.DotOperandLayout(0, mma, 2),
                           assert_trivial=True)
-    # x: physical K = 8*WPT*q + 8c + 4p + 2b + h -> the same logical order
-    xt = x.reshape(WK, MP, 4, WPT, 2, 2, 2).permute(0, 1, 3, 5, 6, 2, 4).reshape(WK, MP, STEP_K)
+    xt = _logical_x(x, WK, MP, WPT)
     b = gl.convert_layout(xt.permute(0, 2, 1), gl.DotOperandLayout(1, mma, 2), assert_trivial=True)
     return mma_v2(a, b, acc)
 
@@ -507,11 +520,7 @@ def wgmma_layout(num_warps, mp):
 def _wgmma_step(words, scales, x_step, acc, BLOCK_N: gl.constexpr, WPT: gl.constexpr):
     """acc += decode(words, scales) @ x_step^T for one K step: the decoded weights are the warpgroup
     MMA's A operand in registers, x_step [MP, STEP_K] (logical K order) its B from shared memory."""
-    STEP_K: gl.constexpr = 32 * WPT
-    s = _word_scales(scales, words, 1, BLOCK_N, WPT)
-    w = gl.inline_asm_elementwise(_DECODE_ASM, _DECODE_CONSTRAINTS, [_dup8(words), _dup8(s)],
-                                  dtype=gl.bfloat16, is_pure=True, pack=8)
-    w = w.reshape(BLOCK_N, 4, WPT, 2, 2, 2).permute(0, 2, 3, 4, 1, 5).reshape(BLOCK_N, STEP_K)
+    w = _decode_words(words, scales, 1, BLOCK_N, WPT).reshape(BLOCK_N, 32 * WPT)
     a = gl.convert_layout(w, gl.DotOperandLayout(0, acc.type.layout, 2), assert_trivial=True)
     return warpgroup_mma(a, x_step.permute((1, 0)), acc)
 
@@ -519,9 +528,8 @@ def _wgmma_step(words, scales, x_step, acc, BLOCK_N: gl.constexpr, WPT: gl.const
 @gluon.jit
 def _stage_x(x_smem, slot, x, MP: gl.constexpr, WPT: gl.constexpr):
     """One K step of x [MP, STEP_K], loaded in physical K order, into ring slot `slot` in the
-    logical order of the decoded weights: physical 8*WPT*q + 8c + 4p + 2b + h -> logical
-    32c + 16b + 8h + 2q + p (as _mma_step permutes it in registers)."""
-    x_smem.index(slot).store(x.reshape(MP, 4, WPT, 2, 2, 2).permute(0, 2, 4, 5, 1, 3).reshape(MP, 32 * WPT))
+    logical order of the decoded weights (`_logical_x`, as _mma_step permutes it in registers)."""
+    x_smem.index(slot).store(_logical_x(x.reshape(1, MP, 32 * WPT), 1, MP, WPT).reshape(MP, 32 * WPT))
 
 
 @gluon.jit(do_not_specialize=["M"])
