@@ -3,6 +3,7 @@ the Triton kernels against the reference (interpreter on the CPU, compiled on th
 selection per architecture, the CuTe DSL kernel compiled for sm_100, and the GPU kernels on Llama
 shapes."""
 import importlib.util
+import itertools
 import re
 
 import torch
@@ -540,6 +541,34 @@ def test_gluon_wgmma_decode_kernel_compiles_for_sm90():
         ptx = compile_sm90(nvfp4_wgmma_decode_kernel, GLUON_ARGS,
                            {"K": k, "BLOCK_N": 64, "WPT": wpt, "MP": 16, "SPLIT_K": split_k})
         assert ptx.count("wgmma.mma_async") == k // split_k // 16, k
+
+
+def test_gluon_decode_configurations_do_not_spill():
+    # Every launch configuration the NVFP4 format's Gluon kernels take at the decoder GEMMs and LM
+    # head of the single-GPU presets (H100 PCIe / SXM and H200 SM counts, M up to each kernel's
+    # limit, gate/up with and without the SwiGLU epilogue) assembles for sm_90a with no register
+    # spilled to local memory: a spill in the K loop would put a memory round trip between the
+    # weight loads (ptxas of the installed Triton; the GPU runs may use another release).
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from gluon_ptx import compile_sm90, preset_gemms, ptxas_usage
+    from engine.kernels import nvfp4_gluon as g
+
+    launches = {}
+    for n, k, gate_up in preset_gemms("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"):
+        for sms, m, swiglu in itertools.product((114, 132), (1, 2, 4, 8, 16), (False, True)):
+            if swiglu and not gate_up:
+                continue
+            kernels = [(g.nvfp4_wgmma_decode_kernel, g.wgmma_config(m, n, k, sms, swiglu=swiglu))]
+            if m <= 4:
+                kernels.append((g.nvfp4_decode_kernel, (g.swiglu_config if swiglu else g.decode_config)(m, n, k, sms)))
+            for kernel, cfg in kernels:
+                constexprs = dict(cfg, K=k, MP=8 if m <= 8 else 16, TILED=True, SWIGLU=swiglu)
+                warps = constexprs.pop("num_warps")
+                launches[(kernel.fn.__name__, warps, *sorted(constexprs.items()))] = (kernel, constexprs, warps)
+    assert len(launches) > 10
+    for key, (kernel, constexprs, warps) in launches.items():
+        registers, spilled = ptxas_usage(compile_sm90(kernel, GLUON_ARGS, constexprs, num_warps=warps))
+        assert spilled == 0, (key, registers, spilled)
 
 
 @pytest.mark.interpreter

@@ -479,6 +479,11 @@ def test_gpu_outputs_fully_written(m, n, k):
 
 # ----------------------------------------------------------------------------- Gluon sparse-MMA kernel (CPU compile)
 
+SP_ARGS = dict(x_ptr="*i32", words_ptr="*i32", meta_ptr="*i32", scale_ptr="*fp32", out_ptr="*bf16",
+               acc_ptr="*fp32", count_ptr="*i32", parts_ptr="*fp32", g_ptr="*bf16", xg_ptr="*bf16",
+               n_parts="i32", eps="fp32", M="i32", N="i32", stride_xm="i32", stride_om="i32")
+
+
 def test_sparse_mma_kernel_compiles_for_sm90():
     # mma.sp on the stored words: per K step of 16 * WPT and 8-token tile WPT/2 sparse k32 MMAs,
     # no dense MMA (nor its expansion); the words load straight into the A registers as 16-byte
@@ -488,9 +493,7 @@ def test_sparse_mma_kernel_compiles_for_sm90():
     pytest.importorskip("triton.experimental.gluon.language.nvidia.ampere")
     from gluon_ptx import compile_sm90, ptx_loops
     from engine.kernels.sparse24_gluon import sparse24_sp_kernel
-    args = dict(x_ptr="*i32", words_ptr="*i32", meta_ptr="*i32", scale_ptr="*fp32", out_ptr="*bf16",
-                acc_ptr="*fp32", count_ptr="*i32", parts_ptr="*fp32", g_ptr="*bf16", xg_ptr="*bf16",
-                n_parts="i32", eps="fp32", M="i32", N="i32", stride_xm="i32", stride_om="i32")
+    args = SP_ARGS
     for wpt, mp, wk, warps, split, rb in ((4, 8, 2, 4, 1, 1), (8, 16, 4, 4, 2, 1), (4, 16, 1, 8, 1, 1),
                                           (8, 8, 4, 8, 2, 1), (4, 16, 2, 4, 1, 4)):
         ptx = compile_sm90(sparse24_sp_kernel, args, dict(K=8192, BLOCK_N=16 * rb * warps // wk, WPT=wpt, MP=mp,
@@ -537,6 +540,34 @@ def test_sparse_mma_kernel_compiles_for_sm90():
     ptx = compile_sm90(sparse24_sp_kernel, args, dict(K=14336, BLOCK_N=16, WPT=4, MP=8, WK=4, SPLIT_K=4,
                                                       HAS_SCALE=False), num_warps=4)
     assert re.search(r"\b(atom|red)\.global", ptx)
+
+
+def test_sparse_mma_configurations_do_not_spill():
+    # Every configuration the tuner may choose for the 2:4 FFN GEMMs of Llama-3.1-8B and -3.2-1B
+    # (GLUON_CONFIGS where they fit), with each epilogue the engine runs there (gate/up: plain,
+    # SwiGLU, or taking the RMSNorm hand-off; down: plain or handing it off), assembles for sm_90a
+    # with no register spilled to local memory (ptxas of the installed Triton).
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.ampere")
+    from gluon_ptx import compile_sm90, preset_gemms, ptxas_usage
+    from engine.kernels.sparse24_gluon import sparse24_sp_kernel
+    ffn = [(n, k, gate_up) for n, k, gate_up in preset_gemms("llama-3.2-1b", "llama-3.1-8b")
+           if gate_up or k > n]   # gate/up and down
+    launches = {}
+    for (n, k, gate_up), (bucket, configs) in itertools.product(ffn, s24.GLUON_CONFIGS.items()):
+        epilogues = ([dict(), dict(SWIGLU=True), dict(NORM_IN=True, PARTS=64)] if gate_up
+                     else [dict(), dict(NORM_OUT=True)])
+        for cfg, epilogue in itertools.product(configs, epilogues):
+            if not s24._gluon_fits(cfg, n, k, epilogue.get("SWIGLU", False)):
+                continue
+            _, _, bn, wpt, split, warps, wk = cfg
+            constexprs = dict(BLOCK_N=bn, WPT=wpt, MP=8 if bucket <= 8 else 16, WK=wk, SPLIT_K=split,
+                              HAS_SCALE=False, **epilogue)
+            # K sets only the loop's trip count, not its body: one K per configuration and epilogue
+            launches.setdefault((warps, *sorted(constexprs.items())), (dict(constexprs, K=k), warps))
+    assert len(launches) > 20
+    for key, (constexprs, warps) in launches.items():
+        registers, spilled = ptxas_usage(compile_sm90(sparse24_sp_kernel, SP_ARGS, constexprs, num_warps=warps))
+        assert spilled == 0, (key, registers, spilled)
 
 
 def test_mma_order_meta_is_the_registers_the_kernel_passes():
