@@ -74,15 +74,15 @@ def sass_loops(ptx: str) -> list[str]:
     return loops
 
 
-def preset_gemms(*presets: str) -> list[tuple[int, int, bool]]:
-    """(N, K, gate/up) of every weight GEMM a decode step of these shape presets runs on one GPU:
-    q/k/v, o, the fused gate/up, down and the LM head."""
+def preset_gemms(*presets: str) -> list[tuple[str, int, int]]:
+    """(role, N, K) of every weight GEMM a decode step of these shape presets runs on one GPU: the
+    roles "qkv", "o", "gate_up" (fused), "down" and "lm_head"."""
     from models.presets import SHAPE_PRESETS
     shapes = []
     for name in presets:
         c = SHAPE_PRESETS[name]
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        shapes += [(q + 2 * kv, c.hidden_size, False), (c.hidden_size, q, False),
-                   (2 * c.intermediate_size, c.hidden_size, True), (c.hidden_size, c.intermediate_size, False),
-                   (c.vocab_size, c.hidden_size, False)]
+        shapes += [("qkv", q + 2 * kv, c.hidden_size), ("o", c.hidden_size, q),
+                   ("gate_up", 2 * c.intermediate_size, c.hidden_size), ("down", c.hidden_size, c.intermediate_size),
+                   ("lm_head", c.vocab_size, c.hidden_size)]
     return list(dict.fromkeys(shapes))

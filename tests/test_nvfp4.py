@@ -554,9 +554,9 @@ def test_gluon_decode_configurations_do_not_spill():
     from engine.kernels import nvfp4_gluon as g
 
     launches = {}
-    for n, k, gate_up in preset_gemms("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"):
+    for role, n, k in preset_gemms("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"):
         for sms, m, swiglu in itertools.product((114, 132), (1, 2, 4, 8, 16), (False, True)):
-            if swiglu and not gate_up:
+            if swiglu and role != "gate_up":
                 continue
             kernels = [(g.nvfp4_wgmma_decode_kernel, g.wgmma_config(m, n, k, sms, swiglu=swiglu))]
             if m <= 4:

@@ -544,26 +544,23 @@ def test_sparse_mma_kernel_compiles_for_sm90():
 
 def test_sparse_mma_configurations_do_not_spill():
     # Every configuration the tuner may choose for the 2:4 FFN GEMMs of Llama-3.1-8B and -3.2-1B
-    # (GLUON_CONFIGS where they fit), with each epilogue the engine runs there (gate/up: plain,
-    # SwiGLU, or taking the RMSNorm hand-off; down: plain or handing it off), assembles for sm_90a
-    # with no register spilled to local memory (ptxas of the installed Triton).
+    # (the format's own candidate list at each M bucket), with each epilogue the engine runs there
+    # (gate/up: plain, SwiGLU, or taking the RMSNorm hand-off; down: plain or handing it off),
+    # assembles for sm_90a with no register spilled to local memory (ptxas of the installed Triton).
     pytest.importorskip("triton.experimental.gluon.language.nvidia.ampere")
     from gluon_ptx import compile_sm90, preset_gemms, ptxas_usage
     from engine.kernels.sparse24_gluon import sparse24_sp_kernel
-    ffn = [(n, k, gate_up) for n, k, gate_up in preset_gemms("llama-3.2-1b", "llama-3.1-8b")
-           if gate_up or k > n]   # gate/up and down
+    epilogues = {"gate_up": [dict(), dict(SWIGLU=True), dict(NORM_IN=True, PARTS=64)],
+                 "down": [dict(), dict(NORM_OUT=True)]}
     launches = {}
-    for (n, k, gate_up), (bucket, configs) in itertools.product(ffn, s24.GLUON_CONFIGS.items()):
-        epilogues = ([dict(), dict(SWIGLU=True), dict(NORM_IN=True, PARTS=64)] if gate_up
-                     else [dict(), dict(NORM_OUT=True)])
-        for cfg, epilogue in itertools.product(configs, epilogues):
-            if not s24._gluon_fits(cfg, n, k, epilogue.get("SWIGLU", False)):
-                continue
-            _, _, bn, wpt, split, warps, wk = cfg
-            constexprs = dict(BLOCK_N=bn, WPT=wpt, MP=8 if bucket <= 8 else 16, WK=wk, SPLIT_K=split,
-                              HAS_SCALE=False, **epilogue)
-            # K sets only the loop's trip count, not its body: one K per configuration and epilogue
-            launches.setdefault((warps, *sorted(constexprs.items())), (dict(constexprs, K=k), warps))
+    for role, n, k in preset_gemms("llama-3.2-1b", "llama-3.1-8b"):
+        for m, epilogue in itertools.product((1, 2, 4, 8, 16), epilogues.get(role, [])):
+            op = "sparse24_swiglu" if epilogue.get("SWIGLU") else "sparse24_gemm"
+            for _, _, bn, wpt, split, warps, wk in s24._gluon_configs(Problem(op, m, n, k, torch.device("cpu"))):
+                constexprs = dict(BLOCK_N=bn, WPT=wpt, MP=8 if m <= 8 else 16, WK=wk, SPLIT_K=split,
+                                  HAS_SCALE=False, **epilogue)
+                # K sets only the loop's trip count, not its body: one K per configuration and epilogue
+                launches.setdefault((warps, *sorted(constexprs.items())), (dict(constexprs, K=k), warps))
     assert len(launches) > 20
     for key, (constexprs, warps) in launches.items():
         registers, spilled = ptxas_usage(compile_sm90(sparse24_sp_kernel, SP_ARGS, constexprs, num_warps=warps))
