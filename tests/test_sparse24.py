@@ -493,10 +493,9 @@ def test_sparse_mma_kernel_compiles_for_sm90():
     pytest.importorskip("triton.experimental.gluon.language.nvidia.ampere")
     from gluon_ptx import compile_sm90, ptx_loops
     from engine.kernels.sparse24_gluon import sparse24_sp_kernel
-    args = SP_ARGS
     for wpt, mp, wk, warps, split, rb in ((4, 8, 2, 4, 1, 1), (8, 16, 4, 4, 2, 1), (4, 16, 1, 8, 1, 1),
                                           (8, 8, 4, 8, 2, 1), (4, 16, 2, 4, 1, 4)):
-        ptx = compile_sm90(sparse24_sp_kernel, args, dict(K=8192, BLOCK_N=16 * rb * warps // wk, WPT=wpt, MP=mp,
+        ptx = compile_sm90(sparse24_sp_kernel, SP_ARGS, dict(K=8192, BLOCK_N=16 * rb * warps // wk, WPT=wpt, MP=mp,
                                                           WK=wk, SPLIT_K=split, HAS_SCALE=split == 2),
                            num_warps=warps)
         loops = ptx_loops(ptx)
@@ -514,7 +513,7 @@ def test_sparse_mma_kernel_compiles_for_sm90():
         assert body.count("shfl.sync.bfly.b32") == 2 * (mp // 8) * wpt
         assert "shared" not in body and "bar.sync" not in body
         if rb >= 2 and split == 1:  # the SwiGLU epilogue leaves the loop as it is
-            fused = compile_sm90(sparse24_sp_kernel, args, dict(K=8192, BLOCK_N=16 * rb * warps // wk, WPT=wpt,
+            fused = compile_sm90(sparse24_sp_kernel, SP_ARGS, dict(K=8192, BLOCK_N=16 * rb * warps // wk, WPT=wpt,
                                                                 MP=mp, WK=wk, SPLIT_K=1, HAS_SCALE=False,
                                                                 SWIGLU=True), num_warps=warps)
             fused_loops = ptx_loops(fused)
@@ -522,7 +521,7 @@ def test_sparse_mma_kernel_compiles_for_sm90():
             assert "ex2.approx" in fused and fused.count("st.global") * 2 == ptx.count("st.global")
         # The RMSNorm hand-off's epilogues (engine/kernels/stream_triton.py) leave the loop as it is.
         for handoff in (dict(NORM_OUT=True), dict(NORM_IN=True, PARTS=64)):
-            fused = compile_sm90(sparse24_sp_kernel, args, dict(K=8192, BLOCK_N=16 * rb * warps // wk, WPT=wpt,
+            fused = compile_sm90(sparse24_sp_kernel, SP_ARGS, dict(K=8192, BLOCK_N=16 * rb * warps // wk, WPT=wpt,
                                                                 MP=mp, WK=wk, SPLIT_K=split, HAS_SCALE=False)
                                  | handoff, num_warps=warps)
             fused_loops = ptx_loops(fused)
@@ -532,12 +531,12 @@ def test_sparse_mma_kernel_compiles_for_sm90():
     # Small K: one K step per warp (K = 64 at WPT 4; 256 over 2 warps at WPT 8), odd step counts
     # (704 = 11 steps of 64), WPT 2
     for k, wpt, wk, warps in ((64, 4, 1, 4), (256, 8, 2, 4), (704, 4, 1, 4), (96, 2, 1, 4)):
-        ptx = compile_sm90(sparse24_sp_kernel, args, dict(K=k, BLOCK_N=16 * warps // wk, WPT=wpt, MP=8, WK=wk,
+        ptx = compile_sm90(sparse24_sp_kernel, SP_ARGS, dict(K=k, BLOCK_N=16 * warps // wk, WPT=wpt, MP=8, WK=wk,
                                                           SPLIT_K=1, HAS_SCALE=True), num_warps=warps)
         assert "mma.sp.sync.aligned.m16n8k32" in ptx, k
     # Split-K: the partial sums meet in one launch (atomics, a CTA barrier: thread_barrier in
     # Triton 3.6, barrier later; both compile).
-    ptx = compile_sm90(sparse24_sp_kernel, args, dict(K=14336, BLOCK_N=16, WPT=4, MP=8, WK=4, SPLIT_K=4,
+    ptx = compile_sm90(sparse24_sp_kernel, SP_ARGS, dict(K=14336, BLOCK_N=16, WPT=4, MP=8, WK=4, SPLIT_K=4,
                                                       HAS_SCALE=False), num_warps=4)
     assert re.search(r"\b(atom|red)\.global", ptx)
 
