@@ -106,11 +106,21 @@ def test_sparse24_selection_on_hopper(m, detail, want):
 
 
 def test_sparse24_fp8_and_other_architectures():
+    # sm_90: the sparse-MMA kernel on e4m3 up to 16 tokens where the weight has its metadata in MMA
+    # order, torchao's kernel past it (or without that metadata), else the Triton kernel.
+    both = (torch.float8_e4m3fn, torch.bfloat16, True, True)
     lib = (torch.float8_e4m3fn, torch.bfloat16, True, False)
     none = (torch.float8_e4m3fn, torch.bfloat16, False, False)
+    for m in (1, 16):
+        assert chosen(sparse24.SPARSE24_FP8_GEMM, "s", m, 4096, 14336, (9, 0), both) == "gluon_sparse_mma_fp8"
+    assert chosen(sparse24.SPARSE24_FP8_GEMM, "s", 17, 4096, 14336, (9, 0), both) == "torchao_cutlass_sm90"
+    # K = 14336 + 64 divides no e4m3 configuration's K step (2 x 32 x WPT): the library's kernel
+    assert chosen(sparse24.SPARSE24_FP8_GEMM, "s", 1, 4096, 14400, (9, 0), both) == "torchao_cutlass_sm90"
     assert chosen(sparse24.SPARSE24_FP8_GEMM, "s", 1, 4096, 14336, (9, 0), lib) == "torchao_cutlass_sm90"
     assert chosen(sparse24.SPARSE24_FP8_GEMM, "s", 1, 4096, 14336, (9, 0), none) == "triton_stream"
     assert chosen(sparse24.SPARSE24_FP8_GEMM, "s", 1, 4096, 14336, (10, 0), lib) == "triton_stream"
+    # what each takes: e4m3 activations from the norm / SwiGLU before, or the model's dtype
+    assert [k.input_quant for k in sparse24.SPARSE24_FP8_GEMM[9]] == ["fp8", "fp8", None, None]
     bf16 = (torch.bfloat16, torch.bfloat16, True, False)
     assert chosen(sparse24.SPARSE24_GEMM, "s", 1, 4096, 14336, (10, 0), bf16) == "cusparselt"
 
@@ -215,6 +225,8 @@ def test_gluon_candidates_step_aside_where_triton_lacks_gluon(monkeypatch, caplo
     assert chosen(nvfp4.NVFP4_SWIGLU, "nvfp4_swiglu", 1, 28672, 4096, (9, 0), nv) == "separate"
     assert chosen(sparse24.SPARSE24_GEMM, "sparse24_gemm", 1, 28672, 4096, (9, 0), sp) == "cusparselt"
     assert chosen(sparse24.SPARSE24_SWIGLU, "sparse24_swiglu", 1, 28672, 4096, (9, 0), sp) == "separate"
+    sp8 = (torch.float8_e4m3fn, BF16, True, True)
+    assert chosen(sparse24.SPARSE24_FP8_GEMM, "sparse24_fp8_gemm", 1, 28672, 4096, (9, 0), sp8) == "torchao_cutlass_sm90"
     with fake_capability((9, 0)):
         assert attention.decode_kernel(_rows(1, 32, 128, BF16), _cache(16, 8), True).name == "triton"
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("nvfp4_gemm")]

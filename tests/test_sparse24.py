@@ -323,6 +323,61 @@ def test_gpu_sparse_mma_kernel(m):
     b.tuned = {}
 
 
+def _fp8_case(m, n, k, seed):
+    """A 2:4 weight with e4m3 values and row scales, e4m3 x with token scales, and the float64
+    product of the dequantised operands (what every `2:4+fp8` kernel computes)."""
+    w, x = _gpu_case(m, n, k, seed)
+    f = s24.Sparse24Fp8Weight.from_dense(w)
+    qx, xs = quantize_act_fp8(x * (1 + torch.arange(m, device="cuda")[:, None]))  # unequal token scales
+    wd = s24.decompress_24(f.tensor, torch.float64) * f.scale.double()[:, None]
+    return f, qx, xs, (qx.double() * xs.double()[:, None]) @ wd.t()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
+def test_gpu_sparse_mma_kernel_e4m3(m, tmp_path):
+    # The e4m3 path (`2:4+fp8` at decode): every candidate of M's bucket on the Llama-3.1-8B FFN
+    # shapes (an N tail on the first), other tilings on small shapes, against float64 of the
+    # dequantised operands, token scales unequal; outputs poisoned first. Checks the widening of
+    # the stored words and of x to f16 pairs, and the metadata of 2 * WPT.
+    from engine.kernels import sparse24_gluon as sp
+    from engine.kernels.tuner import Tuner
+    if not _sm90():
+        pytest.skip("sm_90 kernel")
+    bucket = s24.GLUON_CONFIGS[m_bucket(m)]
+    others = [("sp", 16, 64, 2, 2, 8, 2), ("sp", 16, 16, 4, 1, 8, 8), ("sp", 16, 256, 8, 1, 16, 1)]
+    for n, k, cfgs in ((777, 4096, bucket), (4096, 14336, bucket), (48, 1024, others[:2]), (1000, 2048, others)):
+        f, qx, xs, ref = _fp8_case(m, n, k, 13 * m + n)
+        for cfg in cfgs:
+            assert sp.unsupported(qx, f.values, f.meta, cfg) is None, cfg
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            sp.launch(qx, f.values, sp.mma_order_meta(f.meta, 2 * cfg[3]), f.scale, cfg, out, x_scale=xs)
+            torch.cuda.synchronize()
+            assert not torch.isnan(out).any(), cfg
+            assert rel_err(out, ref) < 8e-3, (cfg, n, k)
+    with pytest.raises(ValueError, match="x_scale"):
+        sp.launch(qx, f.values, f.meta_mma_4, f.scale, bucket[0], out)
+    # Through the backend: selected (it asks the norm / SwiGLU before for e4m3 activations), every
+    # configuration of the bucket as a tuned choice, bf16 activations quantised inside to the same
+    # bits, and after the tuner's own choice.
+    f, qx, xs, ref = _fp8_case(m, 1000, 4096, 3)  # a K that every configuration divides
+    assert all(getattr(f, f"meta_mma_{wpt}") is not None for wpt in s24.MMA_ORDER_WPTS)
+    problem = f._problem(f.op, qx)
+    assert select(f.table, problem).kernel is s24.GLUON_SP_FP8 and f.input_quant(m) == "fp8"
+    assert rel_err(f(qx, x_scale=xs), ref) < 8e-3
+    x = (qx.float() * xs[:, None]).bfloat16()
+    assert torch.equal(f(x), f(*quantize_act_fp8(x)))
+    cfgs = [c for kernel, c in runnable(f.table, problem) if kernel is s24.GLUON_SP_FP8]
+    assert cfgs == s24.GLUON_CONFIGS[m_bucket(m)]
+    for cfg in cfgs:
+        f.tuned = {f.op: {m_bucket(m): ("gluon_sparse_mma_fp8", cfg)}}
+        assert rel_err(f(qx, x_scale=xs), ref) < 8e-3, cfg
+    f.tuned = {}
+    f.tune(Tuner(tmp_path / "tuning.json"), [m])
+    assert f.tuned[f.op][m_bucket(m)][0] in [k.name for k in f.table[9]]
+    assert rel_err(f(qx, x_scale=xs), ref) < 8e-3
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 3, 9, 16])
 def test_gpu_sparse_mma_norm_handoff(m):
@@ -441,10 +496,14 @@ def test_gpu_backends_all_paths(m, n, k):
     ref8 = fp64_ref(x, f.dequantize().float())
     assert rel_err(s24.TRITON.run(x, f, config=_triton_configs(m)[0]), ref8) < 8e-3
     assert f.packed is not None or n % 32 or k % 64, "torchao's 2:4 FP8 kernel did not load"
+    chosen = select(f.table, f._problem(f.op, x)).kernel
+    assert chosen.name == ("gluon_sparse_mma_fp8" if m <= 16 and k % 128 == 0 else
+                           "torchao_cutlass_sm90" if f.packed is not None else "triton_stream")
     if f.packed is not None:
         # torchao's kernel quantizes the activations to e4m3 per token as well: ~3e-2.
         torchao = next(kern for kern in f.table[9] if kern.name == "torchao_cutlass_sm90")
         assert rel_err(torchao.run(x, f, config=None), ref8) < 6e-2
+    if chosen.input_quant == "fp8":  # the sparse-MMA kernel or torchao's
         assert rel_err(f.forward(x), ref8) < 6e-2
         # Activations quantised upstream (the fused norm / SwiGLU kernels do it when input_quant
         # says so) give the same bits as quantising inside.
@@ -479,7 +538,7 @@ def test_gpu_outputs_fully_written(m, n, k):
 
 # ----------------------------------------------------------------------------- Gluon sparse-MMA kernel (CPU compile)
 
-SP_ARGS = dict(x_ptr="*i32", words_ptr="*i32", meta_ptr="*i32", scale_ptr="*fp32", out_ptr="*bf16",
+SP_ARGS = dict(x_ptr="*i32", words_ptr="*i32", meta_ptr="*i32", scale_ptr="*fp32", x_scale_ptr="*fp32", out_ptr="*bf16",
                acc_ptr="*fp32", count_ptr="*i32", parts_ptr="*fp32", g_ptr="*bf16", xg_ptr="*bf16",
                n_parts="i32", eps="fp32", M="i32", N="i32", stride_xm="i32", stride_om="i32")
 
@@ -544,18 +603,21 @@ def test_sparse_mma_kernel_compiles_for_sm90():
 def test_sparse_mma_configurations_do_not_spill():
     # Every configuration the tuner may choose for the 2:4 FFN GEMMs of Llama-3.1-8B and -3.2-1B
     # (the format's own candidate list at each M bucket), with each epilogue the engine runs there
-    # (gate/up: plain, SwiGLU, or taking the RMSNorm hand-off; down: plain or handing it off),
-    # assembles for sm_90a with no register spilled to local memory (ptxas of the installed Triton).
+    # (gate/up: plain, SwiGLU, or taking the RMSNorm hand-off; down: plain or handing it off; e4m3
+    # values, `2:4+fp8`: plain), assembles for sm_90a with no register spilled to local memory
+    # (ptxas of the installed Triton).
     pytest.importorskip("triton.experimental.gluon.language.nvidia.ampere")
     from gluon_ptx import compile_sm90, preset_gemms, ptxas_usage
     from engine.kernels.sparse24_gluon import sparse24_sp_kernel
-    epilogues = {"gate_up": [dict(), dict(SWIGLU=True), dict(NORM_IN=True, PARTS=64)],
-                 "down": [dict(), dict(NORM_OUT=True)]}
+    epilogues = {"gate_up": [dict(), dict(SWIGLU=True), dict(NORM_IN=True, PARTS=64), dict(E4M3=True)],
+                 "down": [dict(), dict(NORM_OUT=True), dict(E4M3=True)]}
     launches = {}
     for role, n, k in preset_gemms("llama-3.2-1b", "llama-3.1-8b"):
         for m, epilogue in itertools.product((1, 2, 4, 8, 16), epilogues.get(role, [])):
             op = "sparse24_swiglu" if epilogue.get("SWIGLU") else "sparse24_gemm"
-            for _, _, bn, wpt, split, warps, wk in s24._gluon_configs(Problem(op, m, n, k, torch.device("cpu"))):
+            values = torch.float8_e4m3fn if epilogue.get("E4M3") else torch.bfloat16
+            problem = Problem(op, m, n, k, torch.device("cpu"), (values, torch.bfloat16, True, True))
+            for _, _, bn, wpt, split, warps, wk in s24._gluon_configs(problem):
                 constexprs = dict(BLOCK_N=bn, WPT=wpt, MP=8 if m <= 8 else 16, WK=wk, SPLIT_K=split,
                                   HAS_SCALE=False, **epilogue)
                 # K sets only the loop's trip count, not its body: one K per configuration and epilogue
@@ -635,7 +697,12 @@ def test_sparse_mma_configs_are_decode_candidates():
             assert pick(1, mma_order=False) == "triton_stream"
             assert pick(1, k=4104) == "triton_stream"  # no configuration divides K
             fp8 = dict(values=torch.float8_e4m3fn, table=s24.SPARSE24_FP8_GEMM, op="sparse24_fp8_gemm")
-            assert pick(1, library=True, **fp8) == "torchao_cutlass_sm90" and pick(1, **fp8) == "triton_stream"
+            assert [pick(m, library=True, **fp8) for m in (1, 16, 17)] == ["gluon_sparse_mma_fp8"] * 2 + [
+                "torchao_cutlass_sm90"]
+            assert pick(1, **fp8) == "gluon_sparse_mma_fp8" and pick(17, **fp8) == "triton_stream"
+            assert pick(1, mma_order=False, library=True, **fp8) == "torchao_cutlass_sm90"
+            assert pick(1, k=4160, library=True, **fp8) == "torchao_cutlass_sm90"  # no e4m3 K step divides K
+            assert pick(1, mma_order=False, **fp8) == "triton_stream"
             swiglu = dict(table=s24.SPARSE24_SWIGLU, op="sparse24_swiglu")
             assert [pick(m, **swiglu) for m in (1, 4, 5, 16)] == ["gluon_sparse_mma_swiglu"] * 2 + ["separate"] * 2
         with fake_capability((10, 0)):

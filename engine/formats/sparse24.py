@@ -20,9 +20,11 @@ two decode GEMMs runs in their epilogues, engine/kernels/stream_triton.py), besi
 attention projections; not with its SwiGLU epilogue, which forms silu(gate) * up before the norm's
 1 / rms could apply.
 
-The 2:4 GEMM with e4m3 values: torchao's CUTLASS sm90 kernel (sparse WGMMA, per-token activation
-scales: the fused RMSNorm / SwiGLU kernels hand it e4m3 activations) on sm_90, else the Triton
-kernel with the e4m3 values widened in registers (weight-only: activations stay bf16).
+The 2:4 GEMM with e4m3 values, on sm_90: M <= 16 the same Gluon sparse-MMA kernel, which widens
+the stored e4m3 values and e4m3 activations to f16 in registers (exact) for the f16 `mma.sp`;
+torchao's CUTLASS sm90 kernel (sparse WGMMA) for larger M. Both take e4m3 activations with
+per-token scales, which the fused RMSNorm / SwiGLU kernels write (`input_quant`). Other GPUs: the
+Triton kernel with the e4m3 values widened in registers (weight-only: activations stay bf16).
 
 Where a library's buffer starts with the kept values in plain row-major order (checked at load),
 the Triton and Gluon kernels read them from that buffer, so the values are stored once.
@@ -154,24 +156,25 @@ def _triton_configs(p: Problem) -> list:
     return TRITON_CONFIGS[min(max(m_bucket(p.m), 16), 128)]
 
 
-def _gluon_fits(cfg, n: int, k: int, swiglu: bool = False) -> bool:
+def _gluon_fits(cfg, n: int, k: int, swiglu: bool = False, e4m3: bool = False) -> bool:
     _, _, bn, wpt, split_k, warps, wk = cfg
+    step = (32 if e4m3 else 16) * wpt  # a warp's K step; the metadata in MMA order is per step
     rb = bn // (16 * (warps // wk)) if warps % wk == 0 else 0
-    ok = (k % (split_k * wk * 16 * wpt) == 0 and (k // 8) % (2 * wpt) == 0 and rb > 0
-          and bn == 16 * rb * (warps // wk) and rb & (rb - 1) == 0)
+    ok = (k % (split_k * wk * step) == 0 and rb > 0 and bn == 16 * rb * (warps // wk) and rb & (rb - 1) == 0)
     return ok and (not swiglu or split_k == 1 and rb >= 2 and n % 32 == 0)
 
 
 def _gluon_configs(p: Problem) -> list:
-    return [c for c in GLUON_CONFIGS[m_bucket(p.m)] if _gluon_fits(c, p.n, p.k, p.op.endswith("swiglu"))]
+    e4m3 = bool(p.detail) and p.detail[0] == torch.float8_e4m3fn
+    return [c for c in GLUON_CONFIGS[m_bucket(p.m)] if _gluon_fits(c, p.n, p.k, p.op.endswith("swiglu"), e4m3)]
 
 
 def _gluon_check(p: Problem) -> str | None:
     values_dtype, x_dtype, library, mma_order = p.detail
     if reason := gluon_missing():
         return reason
-    if values_dtype != torch.bfloat16 or x_dtype != torch.bfloat16:
-        return "bf16 values and activations only"
+    if values_dtype not in (torch.bfloat16, torch.float8_e4m3fn) or x_dtype != torch.bfloat16:
+        return "bf16 or e4m3 values, bf16 model"
     if not mma_order:
         return "no metadata in MMA order"
     return None if _gluon_configs(p) else f"no configuration divides K={p.k}"
@@ -199,6 +202,19 @@ def _run_gluon(x, w, config, x_scale=None, swiglu=False, out=None, **handoff):
         n = w.out_features // 2 if swiglu else w.out_features
         out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     return sp.launch(x, w.values, getattr(w, f"meta_mma_{config[3]}"), w.scale, config, out, swiglu, **handoff)
+
+
+def _run_gluon_fp8(x, w, config, x_scale=None):
+    """e4m3 values: x e4m3 with its per-token scale (quantised here when it comes in bf16)."""
+    from engine.kernels import sparse24_gluon as sp
+    if x_scale is None:
+        x, x_scale = quantize_act_fp8(x)
+    reason = sp.unsupported(x, w.values, w.meta, config)
+    if reason is not None:
+        raise ValueError(f"sparse-MMA kernel, config {config}: {reason}")
+    out = torch.empty(x.shape[0], w.out_features, dtype=w.dtype, device=x.device)
+    return sp.launch(x, w.values, getattr(w, f"meta_mma_{config[3]}"), w.scale, config, out,
+                     x_scale=x_scale.reshape(-1).float())
 
 
 def _run_triton(x, w, config, x_scale=None):
@@ -231,7 +247,10 @@ CUSPARSELT = Kernel("cusparselt", _run_cusparselt, check=_library_check, configs
 TRITON = Kernel("triton_stream", _run_triton, configs=_triton_configs)
 REFERENCE = Kernel("reference", _run_reference, reference=True)
 SPARSE24_GEMM = {9: [GLUON_SP, CUSPARSELT, TRITON, REFERENCE], "other": [CUSPARSELT, TRITON, REFERENCE]}
-SPARSE24_FP8_GEMM = {9: [Kernel("torchao_cutlass_sm90", _run_torchao, check=_library_check), TRITON, REFERENCE],
+GLUON_SP_FP8 = Kernel("gluon_sparse_mma_fp8", _run_gluon_fp8, max_m=16, check=_gluon_check, configs=_gluon_configs,
+                      input_quant="fp8")
+SPARSE24_FP8_GEMM = {9: [GLUON_SP_FP8, Kernel("torchao_cutlass_sm90", _run_torchao, check=_library_check,
+                                              input_quant="fp8"), TRITON, REFERENCE],
                      "other": [TRITON, REFERENCE]}
 # silu(gate) * up of a fused gate/up weight: in the sparse-MMA kernel's epilogue, or "separate" (the
 # GEMM, then the SwiGLU kernel: Linear.swiglu). Up to 4 tokens only: it needs SPLIT_K = 1 and two row
@@ -261,6 +280,20 @@ class _Sparse24Base(WeightFormat):
     def __init__(self, t: Sparse24Tensor):
         super().__init__(*t.shape)
         self.register_buffer("meta", t.meta)
+
+    def _register_mma_meta(self, t: Sparse24Tensor) -> None:
+        """The sparse-MMA kernel's metadata in MMA order, `meta_mma_<WPT>` for each WPT of its
+        configurations (e4m3 values: the order of the f16 pairs they widen to, 2 * WPT), built with
+        the weight so that the KV cache is sized after it; None where the kernel cannot run."""
+        cap = capability(t.values.device)
+        widen = 2 if t.values.dtype == torch.float8_e4m3fn else 1
+        for wpt in MMA_ORDER_WPTS:
+            meta = None
+            if (cap is not None and cap[0] == 9 and self.dtype == torch.bfloat16
+                    and t.shape[1] % (16 * widen * wpt) == 0 and not gluon_missing()):
+                from engine.kernels.sparse24_gluon import mma_order_meta
+                meta = mma_order_meta(t.meta, widen * wpt)
+            self.register_buffer(f"meta_mma_{wpt}", meta)
 
     @property
     def tensor(self) -> Sparse24Tensor:
@@ -344,14 +377,7 @@ class Sparse24Weight(_Sparse24Base):
         packed = cslt_compress(decompress_24(t)) if t.values.is_cuda else None
         self.register_buffer("packed", packed)
         self.register_buffer("values", _values_view(packed, t.values))
-        cap = capability(t.values.device)
-        for wpt in MMA_ORDER_WPTS:  # the sparse-MMA kernel's metadata, built with the weight so that
-            meta = None             # the KV cache is sized after it
-            if (cap is not None and cap[0] == 9 and self.dtype == torch.bfloat16
-                    and (t.shape[1] // 8) % (2 * wpt) == 0 and not gluon_missing()):
-                from engine.kernels.sparse24_gluon import mma_order_meta
-                meta = mma_order_meta(t.meta, wpt)
-            self.register_buffer(f"meta_mma_{wpt}", meta)
+        self._register_mma_meta(t)
 
     @classmethod
     def from_dense(cls, w: torch.Tensor, score: torch.Tensor | None = None) -> "Sparse24Weight":
@@ -410,6 +436,7 @@ class Sparse24Fp8Weight(_Sparse24Base):
         self.register_buffer("packed", packed[0] if packed is not None else None)
         self.register_buffer("ao_meta", packed[1] if packed is not None else None)
         self.register_buffer("values", _values_view(self.packed, t.values))
+        self._register_mma_meta(t)
 
     @classmethod
     def from_dense(cls, w: torch.Tensor, score: torch.Tensor | None = None) -> "Sparse24Fp8Weight":
@@ -424,6 +451,8 @@ class Sparse24Fp8Weight(_Sparse24Base):
         return Sparse24Fp8Weight(t, self.scale[rows], self.dtype)
 
     def input_quant(self, m: int) -> str | None:
-        """"fp8" where torchao's kernel takes the weight: the fused RMSNorm / SwiGLU kernels then hand
-        over e4m3 activations with per-token scales. The Triton kernel takes bf16 activations."""
-        return "fp8" if self.packed is not None else None
+        """"fp8" where the kernel for M rows takes e4m3 activations with per-token scales (the
+        sparse-MMA kernel, torchao's): the fused RMSNorm / SwiGLU kernels then write them so. The
+        Triton kernel takes bf16 activations."""
+        choice = select(self.table, self._problem_at(self.op, m, self.dtype, self.meta.device), self.tuned.get(self.op))
+        return choice.kernel.input_quant

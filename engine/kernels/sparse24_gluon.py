@@ -45,6 +45,18 @@ Work split as in the other Gluon decode kernels (engine/kernels/nvfp4_gluon.py, 
 16 * RB each, WK warps split K step by step, SPLIT_K programs split K in one launch; two K steps in
 flight per warp; rows past N and tokens past M re-read the last one, so the loop has no masks.
 
+E4M3 (the `2:4+fp8` format: e4m3 kept values with a per-row scale, e4m3 x with a per-token scale,
+as the fused RMSNorm / SwiGLU kernels write it). Hopper runs FP8 only through wgmma: ptxas expands
+an e4m3 mma.sp (m16n8k64) into f16 MMAs plus a rewrite of the metadata (about 40 integer
+instructions per MMA). So the kernel does the widening itself, where it is cheapest: each loaded
+word (two groups' four kept values) becomes two f16 pairs (`cvt.rn.f16x2.e4m3x2`, exact), x's
+e4m3 quads likewise, and the f16 mma.sp m16n8k32 runs on them exactly as the bf16 path at twice
+the words per thread (a step of WPT e4m3 words is the bf16 step of 2 * WPT: the same K order,
+lane swap and metadata, `mma_order_meta(meta, 2 * WPT)`). Products of e4m3 values are exact in
+fp32; the sum is scaled by x's per-token scale before the split-K reduction and by the row scale
+after it. Neither the SwiGLU epilogue nor the norm hand-off run with e4m3: the kernel after
+either takes e4m3 x, which the norm / SwiGLU kernel quantises.
+
 RMSNorm hand-off (NORM_OUT / NORM_IN, not with the SwiGLU epilogue): the kernel is the GEMM before
 or after a norm that runs in their epilogues instead of its own launch (the protocol:
 engine/kernels/stream_triton.py). Its partial sums are loaded before the K loop and summed in the
@@ -64,7 +76,13 @@ from engine.kernels.stream_triton import check_parts
 _MMA_SP = gl.constexpr(
     "mma.sp.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32 "
     "{$0, $1, $2, $3}, {$8, $9, $10, $11}, {$12, $13, $14, $15}, {$4, $5, $6, $7}, $16, 0x0;")
+_MMA_SP_F16 = gl.constexpr(
+    "mma.sp.sync.aligned.m16n8k32.row.col.f32.f16.f16.f32 "
+    "{$0, $1, $2, $3}, {$8, $9, $10, $11}, {$12, $13, $14, $15}, {$4, $5, $6, $7}, $16, 0x0;")
 _MMA_SP_CONSTRAINTS = gl.constexpr(",".join(["=f"] * 4 + ["f"] * 4 + ["r"] * 12))
+# One 32-bit word of four e4m3 -> two f16 pairs, in order (exact: e4m3 is a subset of f16).
+_E4M3_TO_F16 = gl.constexpr(
+    "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }")
 
 
 @gluon.constexpr_function
@@ -133,26 +151,55 @@ def _with_tokens(v, T: gl.constexpr, layout: gl.constexpr):
 
 @gluon.jit
 def _split_last(v, C: gl.constexpr):
-    """[.., C] (C = 1, 2 or 4) -> the C slices along the last dimension, in order."""
+    """[.., C] (C = 1, 2, 4 or 8) -> the C slices along the last dimension, in order."""
     if C == 1:
         return (v.reshape(v.shape[:-1]),)
     elif C == 2:
         v0, v1 = gl.split(v)
         return (v0, v1)
-    else:
+    elif C == 4:
         lo, hi = gl.split(v.reshape(v.shape[:-1] + [2, 2]))
         v0, v2 = gl.split(lo)
         v1, v3 = gl.split(hi)
         return (v0, v1, v2, v3)
+    else:
+        even, odd = gl.split(v.reshape(v.shape[:-1] + [4, 2]))
+        e0, e1, e2, e3 = _split_last(even, 4)
+        o0, o1, o2, o3 = _split_last(odd, 4)
+        return (e0, o0, e1, o1, e2, o2, e3, o3)
 
 
 @gluon.jit
 def _mma_sp_step(words, meta, x, acc, WK: gl.constexpr, BLOCK_N: gl.constexpr,
                  WPT: gl.constexpr, MP: gl.constexpr):
+    """One K step of bf16 values (`_mma_sp_regs`)."""
+    return _mma_sp_regs(words, meta, x, acc, WK, BLOCK_N, WPT, MP, _MMA_SP)
+
+
+@gluon.jit
+def _mma_sp_step_e4m3(words, meta, x, acc, WK: gl.constexpr, BLOCK_N: gl.constexpr,
+                      WPT: gl.constexpr, MP: gl.constexpr):
+    """One K step of e4m3 values and x: both widened to f16 pairs, then the bf16 step's registers
+    at 2 * WPT words (`_mma_sp_regs`)."""
+    return _mma_sp_regs(_f16_pairs(words), meta, _f16_pairs(x), acc, WK, BLOCK_N, 2 * WPT, MP, _MMA_SP_F16)
+
+
+@gluon.jit
+def _f16_pairs(v):
+    """[.., n] int32 words of four e4m3 -> [.., 2n] int32 f16 pairs, word j -> pairs 2j, 2j + 1."""
+    lo, hi = gl.inline_asm_elementwise(_E4M3_TO_F16, "=r,=r,r", [v], dtype=(gl.int32, gl.int32),
+                                       is_pure=True, pack=1)
+    return gl.join(lo, hi).reshape(v.shape[:-1] + [2 * v.shape[-1]])
+
+
+@gluon.jit
+def _mma_sp_regs(words, meta, x, acc, WK: gl.constexpr, BLOCK_N: gl.constexpr,
+                 WPT: gl.constexpr, MP: gl.constexpr, MMA: gl.constexpr):
     """acc += W_step @ x_step^T for one K step (WPT / 2 sparse MMAs per 16 rows and 8 tokens).
     words [WK, NB, 8, 4, 2 * WPT] (row g then g + 8 of each 16-row block, WPT words each), meta
     [WK, NB, 8, 4, WPT / 2] (MMA c's metadata register, as `mma_order_meta` stores it), x
-    [WK, 1, T, 8, 4, 2 * WPT] int32 pairs (used for every row block of the warp)."""
+    [WK, 1, T, 8, 4, 2 * WPT] int32 pairs (used for every row block of the warp); MMA the
+    instruction (bf16 or f16 pairs)."""
     T: gl.constexpr = MP // 8
     NB: gl.constexpr = BLOCK_N // 16
     frag: gl.constexpr = acc.type.layout
@@ -173,9 +220,21 @@ def _mma_sp_step(words, meta, x, acc, WK: gl.constexpr, BLOCK_N: gl.constexpr,
         e = gl.join(e_regs[c], e_regs[c])  # the register in each of the fragment's 4 slots
         e = _with_tokens(gl.join(e, e).reshape(WK, NB, 8, 4, 4), T, frag)
         b = gl.convert_layout(b_regs[c], frag)
-        acc = gl.inline_asm_elementwise(_MMA_SP, _MMA_SP_CONSTRAINTS, [acc, a, b, e], dtype=gl.float32,
+        acc = gl.inline_asm_elementwise(MMA, _MMA_SP_CONSTRAINTS, [acc, a, b, e], dtype=gl.float32,
                                         is_pure=True, pack=4)
     return acc
+
+
+@gluon.jit
+def _times_token_scale(acc, x_scale_ptr, M):
+    """acc [WK, NB, T, 8 (g), 4 (q), 4 (register)] times x's per-token scale: register r of
+    thread q holds token 8 t + 2 q + r % 2 (the m16n8 accumulator)."""
+    WK: gl.constexpr = acc.shape[0]
+    NB: gl.constexpr = acc.shape[1]
+    T: gl.constexpr = acc.shape[2]
+    frag: gl.constexpr = acc.type.layout
+    _, _, t, _, q, r = _dims6(WK, NB, T, 8, 4, 4, frag)
+    return acc * gl.load(x_scale_ptr + gl.minimum(8 * t + 2 * q + r % 2, M - 1))
 
 
 @gluon.jit
@@ -203,17 +262,20 @@ def store_rows_scaled(acc, HAS_SCALE: gl.constexpr, scale_ptr, n0, pid_n, M, N, 
 
 @gluon.jit(do_not_specialize=["M"])
 def sparse24_sp_kernel(
-    x_ptr, words_ptr, meta_ptr, scale_ptr, out_ptr, acc_ptr, count_ptr,
+    x_ptr, words_ptr, meta_ptr, scale_ptr, x_scale_ptr, out_ptr, acc_ptr, count_ptr,
     parts_ptr, g_ptr, xg_ptr, n_parts, eps,
     M, N, stride_xm, stride_om, K: gl.constexpr,
     BLOCK_N: gl.constexpr, WPT: gl.constexpr, MP: gl.constexpr, WK: gl.constexpr,
     SPLIT_K: gl.constexpr, HAS_SCALE: gl.constexpr, SWIGLU: gl.constexpr = False,
     NORM_IN: gl.constexpr = False, NORM_OUT: gl.constexpr = False, PARTS: gl.constexpr = 1,
+    E4M3: gl.constexpr = False,
 ):
     """y[M, N] = x @ W^T (times scale[N]) for M <= MP (8 or 16); BLOCK_N = 16 * RB * num_warps / WK
     (RB blocks of 16 rows per row warp, which reuse its x registers). words_ptr: the kept values
-    as int32 [N, K/4]; meta_ptr: the metadata registers, `mma_order_meta(meta, WPT)`; x_ptr: x as
-    int32 pairs, stride_xm in pairs. K a multiple of SPLIT_K * WK * 16 * WPT.
+    as int32 [N, K/4] (bf16 pairs; E4M3: [N, K/8], e4m3 quads); meta_ptr: the metadata registers,
+    `mma_order_meta(meta, WPT)` (E4M3: of 2 * WPT, the f16 pairs the words widen to); x_ptr: x as
+    int32 (bf16 pairs, E4M3 e4m3 quads), stride_xm in those. K a multiple of SPLIT_K * WK * STEP_K
+    (16 * WPT, E4M3 32 * WPT). E4M3: y is also scaled by x_scale_ptr [M] (fp32, per token).
     SWIGLU: W is a fused gate/up projection (rows [0, N/2) gate, [N/2, N) up, N/2 a multiple of
     16) and y [M, N/2] = silu(gate) * up. A program takes BLOCK_N / 2 gate rows and the same up
     rows, its row blocks alternating gate, up, so that each thread holds both of an output in
@@ -224,12 +286,13 @@ def sparse24_sp_kernel(
     NB: gl.constexpr = BLOCK_N // 16
     RB: gl.constexpr = NB // WN
     T: gl.constexpr = MP // 8
-    STEP_K: gl.constexpr = 16 * WPT
+    PER_WORD: gl.constexpr = 4 if E4M3 else 2  # elements of x (and kept values) per 32-bit word
+    STEP_K: gl.constexpr = 8 * PER_WORD * WPT
     K_CTA: gl.constexpr = K // SPLIT_K
     STEPS: gl.constexpr = K_CTA // (WK * STEP_K)  # per warp
     frag: gl.constexpr = _fragments(T, RB, WN, WK)
     w_layout: gl.constexpr = _rows_layout(2 * WPT, RB, WN, WK)
-    C: gl.constexpr = WPT // 2  # MMAs per step
+    C: gl.constexpr = PER_WORD * WPT // 4  # MMAs per step (e4m3: the f16 pairs' 2 * WPT / 2)
     x_layout: gl.constexpr = _x_layout(T, 2 * WPT, WN, WK)
 
     pid_n = gl.program_id(0)
@@ -239,13 +302,15 @@ def sparse24_sp_kernel(
     # words: thread (g, q), row block b: rows 16b + g (+ 8), stored words WPT*q .. of each step
     # (SWIGLU: block b is gate block b // 2 of the program's, or its up block where b is odd)
     kw, rw, g, q, v = _dims5(WK, NB, 8, 4, 2 * WPT, w_layout)
+    gl.static_assert(not E4M3 or not (SWIGLU or NORM_IN or NORM_OUT), "e4m3: the plain epilogue only")
     if SWIGLU:
         gl.static_assert(RB % 2 == 0 and SPLIT_K == 1 and not HAS_SCALE)
         F = N // 2
         rows = gl.minimum(n0 // 2 + 16 * (rw // 2) + g + 8 * (v // WPT), F - 1) + (rw % 2) * F
     else:
         rows = gl.minimum(n0 + 16 * rw + g + 8 * (v // WPT), N - 1)
-    words_ptrs = words_ptr + k0 // 4 + kw * (4 * WPT) + rows * (K // 4) + WPT * q + v % WPT
+    words_ptrs = (words_ptr + k0 // (2 * PER_WORD) + kw * (4 * WPT) + rows * (K // (2 * PER_WORD))
+                  + WPT * q + v % WPT)
     # meta: int32 [N/16, steps, 8 (g), 2 (q % 2), C] (`mma_order_meta`): thread (g, q) loads the C
     # registers of its row block's step (threads q = 2, 3 load those of q = 0, 1; the MMA ignores them)
     ko, ro, go, qo, co = _dims5(WK, NB, 8, 4, C, _rows_layout(C, RB, WN, WK))
@@ -253,22 +318,30 @@ def sparse24_sp_kernel(
         blocks = gl.minimum(n0 // 32 + ro // 2, (N // 2 - 1) // 16) + (ro % 2) * (N // 32)
     else:
         blocks = gl.minimum(n0 // 16 + ro, (N - 1) // 16)
-    meta_ptrs = (meta_ptr + k0 // STEP_K * (16 * C) + ko * (16 * C) + blocks * (K // STEP_K * 16 * C)
+    S_STEP: gl.constexpr = 16 * C
+    meta_ptrs = (meta_ptr + k0 // STEP_K * S_STEP + ko * S_STEP + blocks * (K // STEP_K * S_STEP)
                  + (go * 2 + qo % 2) * C + co)
     # x pairs of token 8t + g. B register i of MMA c needs stored pair q%2 + 2(i//2) + 4c
     # + 2WPT(q//2) + 4WPT(i%2) of the step: the step is 4 runs of 2 * WPT pairs, run (i%2, q//2);
     # lane q loads run 2 (q % 2) + q // 2 whole (16-byte vectors) and _mma_sp_step swaps halves
+    # (E4M3: runs of 2 * WPT e4m3 quads, which widen to the 4 * WPT f16 pairs of the bf16 step
+    # at 2 * WPT)
     xk, _, xt, xg, xq, xv = _dims6(WK, 1, T, 8, 4, 2 * WPT, x_layout)
     pair = xv + 2 * WPT * (2 * (xq % 2) + xq // 2)
     tokens = gl.minimum(8 * xt + xg, M - 1)
-    x_ptrs = x_ptr + k0 // 2 + xk * (STEP_K // 2) + tokens * stride_xm + pair + gl.zeros(
+    x_ptrs = x_ptr + k0 // PER_WORD + xk * (8 * WPT) + tokens * stride_xm + pair + gl.zeros(
         [WK, 1, T, 8, 4, 2 * WPT], gl.int32, layout=x_layout)
 
     parts_in = load_parts(parts_ptr, n_parts, M, PARTS, MP) if NORM_IN else None
     acc = gl.zeros([WK, NB, T, 8, 4, 4], gl.float32, layout=frag)
     # x two steps ahead, with the weights (faster here, where x is a larger share of the bytes)
-    acc = stream_steps(_mma_sp_step, words_ptrs, meta_ptrs, x_ptrs, acc, STEPS, STEP_K // 2, WK, BLOCK_N,
-                       WPT, MP, X_AHEAD=True, S_STEP=16 * C)
+    if E4M3:
+        acc = stream_steps(_mma_sp_step_e4m3, words_ptrs, meta_ptrs, x_ptrs, acc, STEPS, 8 * WPT, WK,
+                           BLOCK_N, WPT, MP, X_AHEAD=True, S_STEP=S_STEP)
+        acc = _times_token_scale(acc, x_scale_ptr, M)
+    else:
+        acc = stream_steps(_mma_sp_step, words_ptrs, meta_ptrs, x_ptrs, acc, STEPS, 8 * WPT, WK, BLOCK_N,
+                           WPT, MP, X_AHEAD=True, S_STEP=S_STEP)
     if SWIGLU:  # row blocks (2j, 2j + 1) = (gate, up) of output block j, in one thread's registers
         gl.static_assert(not NORM_IN and not NORM_OUT, "the norm's hand-off: no SwiGLU epilogue")
         gate, up = gl.split(acc.reshape(WK, NB // 2, 2, T, 8, 4, 4).permute(0, 1, 3, 4, 5, 6, 2))
@@ -289,15 +362,16 @@ def unsupported(x, values, meta, cfg) -> str | None:
     WK), or None."""
     _, _, bn, wpt, split_k, warps, wk = cfg
     m, k = x.shape
-    if values.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
-        return "bf16 values and activations only"
+    if (values.dtype, x.dtype) not in ((torch.bfloat16,) * 2, (torch.float8_e4m3fn,) * 2):
+        return "bf16 values and activations, or e4m3 both"
     if m > 16:
         return "M > 16"
-    if k % (split_k * wk * 16 * wpt):
-        return f"K={k} not a multiple of {split_k * wk * 16 * wpt}"
+    step = (32 if values.dtype == torch.float8_e4m3fn else 16) * wpt
+    if k % (split_k * wk * step):
+        return f"K={k} not a multiple of {split_k * wk * step}"
     if values.stride(0) != k // 2 or meta.stride(0) != k // 8 or values.stride(1) != 1 or meta.stride(1) != 1:
         return "strided values/meta"
-    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+    if x.stride(1) != 1 or x.stride(0) * x.element_size() % 16 or x.data_ptr() % 16:
         return "x not read as 16-byte vectors (unit stride along K, rows 16-byte aligned)"
     rb = bn // (16 * (warps // wk)) if warps % wk == 0 else 0
     if warps % wk or bn != 16 * rb * (warps // wk) or rb & (rb - 1):
@@ -310,7 +384,8 @@ def mma_order_meta(meta: torch.Tensor, wpt: int) -> torch.Tensor:
     int32 [ceil(N/16), K/(16 wpt), 8 (g), 2 (q), wpt/2 (MMA c)]: the register thread (g, q) of a
     16-row block passes to MMA c of a K step (rows g and g + 8, logical groups 4q .. 4q + 3, a
     nibble each; logical group j of MMA c is stored group wpt (j % 4) + 2c + j // 4 of the step).
-    Rows past N are zero. The same bytes as meta, in the order the kernel loads them."""
+    Rows past N are zero. The same bytes as meta, in the order the kernel loads them. (The e4m3
+    kernel at WPT takes those of 2 * WPT.)"""
     n, k = meta.shape[0], meta.shape[1] * 8
     steps, c = k // (16 * wpt), wpt // 2
     nib = torch.stack([meta & 15, meta >> 4], dim=-1).reshape(n, k // 4).long()
@@ -337,17 +412,24 @@ def swiglu_unsupported(x, values, meta, cfg) -> str | None:
     return None
 
 
-def launch(x, values, meta_mma, scale, cfg, out, swiglu=False, norm_out=None, row_scale=None):
+def launch(x, values, meta_mma, scale, cfg, out, swiglu=False, norm_out=None, row_scale=None, x_scale=None):
     """out[M, N] = x @ W^T (times scale) with config cfg, which `unsupported` accepted; meta_mma:
-    `mma_order_meta(meta, WPT)`. swiglu: out [M, N/2] = silu(gate) * up (`swiglu_unsupported`).
+    `mma_order_meta(meta, WPT)` (e4m3: of 2 * WPT). swiglu: out [M, N/2] = silu(gate) * up
+    (`swiglu_unsupported`).
     The RMSNorm hand-off (engine/kernels/stream_triton.py; `store_rows` in
     engine/kernels/nvfp4_gluon.py runs it): norm_out = (g [N], xg [M, N], parts from
     `norm_parts(N, device, BLOCK_N)`), out the residual, added into; row_scale = (parts [G, 16]
-    fp32, eps). Neither with swiglu."""
+    fp32, eps). Neither with swiglu. e4m3 values and x: x_scale [M] fp32, out = (x * x_scale) @ W^T
+    (times scale), the plain epilogue only."""
     _, _, bn, wpt, split_k, warps, wk = cfg
     m, k = x.shape
     n = values.shape[0]
     tiles = -(-n // bn)
+    e4m3 = values.dtype == torch.float8_e4m3fn
+    if e4m3 and (swiglu or norm_out is not None or row_scale is not None):
+        raise ValueError("e4m3: neither the SwiGLU epilogue nor the norm hand-off")
+    if e4m3 and (x_scale is None or x_scale.numel() != m or x_scale.dtype != torch.float32):
+        raise ValueError(f"e4m3: x_scale must be fp32 with one scale per token ({m})")
     if swiglu and (norm_out is not None or row_scale is not None):
         raise ValueError("the norm hand-off runs in the plain epilogue, not the SwiGLU one")
     if norm_out is not None and row_scale is not None:
@@ -362,12 +444,14 @@ def launch(x, values, meta_mma, scale, cfg, out, swiglu=False, norm_out=None, ro
         check_parts(parts)
     n_parts = parts.shape[0] if parts is not None else 0
     acc, count = split_k_buffers(x.device, m * n, tiles) if split_k > 1 else (out, out)
-    words = values.view(torch.int32)  # one per group: its two kept values
+    words = values.view(torch.int32)  # two kept values of one group (bf16) or of two (e4m3)
+    xs = x_scale.reshape(m) if e4m3 else words
     sparse24_sp_kernel[(tiles, split_k)](
-        x.view(torch.int32), words, meta_mma, scale if scale is not None else words, out, acc, count,
+        x.view(torch.int32), words, meta_mma, scale if scale is not None else words, xs, out, acc, count,
         parts if parts is not None else out, g, xg, n_parts, float(eps), m, n,
-        x.stride(0) // 2, out.stride(0), K=k, BLOCK_N=bn, WPT=wpt, MP=8 if m <= 8 else 16, WK=wk,
+        x.stride(0) * x.element_size() // 4, out.stride(0), K=k, BLOCK_N=bn, WPT=wpt, MP=8 if m <= 8 else 16,
+        WK=wk,
         SPLIT_K=split_k, HAS_SCALE=scale is not None, SWIGLU=swiglu, NORM_IN=row_scale is not None,
         NORM_OUT=norm_out is not None, PARTS=triton.next_power_of_2(n_parts) if row_scale is not None else 1,
-        num_warps=warps)
+        E4M3=e4m3, num_warps=warps)
     return out
