@@ -139,18 +139,20 @@ class Weights:
 
 def kernel_variants(label, weight, x, wref):
     """`weight`'s selected kernel (weight.forward, its tuned choice) and each runnable kernel on its
-    own. torchao's kernel quantises the activations per token (a few percent of error); the others
-    take them in bf16."""
+    own, all on bf16 x. The kernels that multiply e4m3 activations (input_quant "fp8": the 2:4+fp8
+    sparse-MMA kernel, torchao's) quantise x per token first (a few percent of error, and a launch
+    in their time); the others take it in bf16."""
     problem = weight._problem(weight.op, x)
     chosen = select(weight.table, problem, weight.tuned.get(weight.op))
-    v = {f"{label} selected ({chosen.kernel.name})": (weight.forward, wref, 6e-2 if "torchao" in chosen.kernel.name
-                                                       else 8e-3)}
+
+    def tol(kernel):
+        return 6e-2 if kernel.input_quant == "fp8" else 8e-3
+    v = {f"{label} selected ({chosen.kernel.name})": (weight.forward, wref, tol(chosen.kernel))}
     first = {}
     for kernel, config in runnable(weight.table, problem):
         first.setdefault(kernel.name, (kernel, config))
     for name, (kernel, config) in first.items():
-        v[f"{label} {name}"] = (lambda x, k=kernel, c=config: k.run(x, weight, config=c), wref,
-                                6e-2 if "torchao" in name else 8e-3)
+        v[f"{label} {name}"] = (lambda x, k=kernel, c=config: k.run(x, weight, config=c), wref, tol(kernel))
     return v
 
 

@@ -1,8 +1,9 @@
 """2:4-sparse decode GEMM on Hopper's sparse tensor cores (sm_90, mma.sp m16n8k32), in Gluon, for
-M <= 16 tokens: y = x @ W^T, W 2:4-compressed (`values` bf16 [N, K/2], `meta` uint8 [N, K/8], see
-engine/formats/sparse24.py, with the metadata rearranged once per weight by `mma_order_meta`).
-`launch(x, values, meta_mma, scale, config, out, swiglu)` runs it where `unsupported` (or
-`swiglu_unsupported`) returns None; a config is ("sp", BM, BLOCK_N, WPT, SPLIT_K, num_warps, WK).
+M <= 16 tokens: y = x @ W^T, W 2:4-compressed (`values` [N, K/2], bf16 or e4m3 with e4m3 x (E4M3
+below), `meta` uint8 [N, K/8], see engine/formats/sparse24.py, with the metadata rearranged once
+per weight by `mma_order_meta`). `launch(x, values, meta_mma, scale, config, out, swiglu, ...,
+x_scale)` runs it where `unsupported` (or `swiglu_unsupported`) returns None; a config is ("sp",
+BM, BLOCK_N, WPT, SPLIT_K, num_warps, WK).
 
 The kept values go to the tensor core as they are stored: mma.sp takes the A operand compressed
 (16 x 16 kept values standing for 16 x 32) plus 2-bit indices, so there is no expansion in registers
@@ -47,15 +48,15 @@ flight per warp; rows past N and tokens past M re-read the last one, so the loop
 
 E4M3 (the `2:4+fp8` format: e4m3 kept values with a per-row scale, e4m3 x with a per-token scale,
 as the fused RMSNorm / SwiGLU kernels write it). Hopper runs FP8 only through wgmma: ptxas expands
-an e4m3 mma.sp (m16n8k64) into f16 MMAs plus a rewrite of the metadata (about 40 integer
-instructions per MMA). So the kernel does the widening itself, where it is cheapest: each loaded
-word (two groups' four kept values) becomes two f16 pairs (`cvt.rn.f16x2.e4m3x2`, exact), x's
-e4m3 quads likewise, and the f16 mma.sp m16n8k32 runs on them exactly as the bf16 path at twice
-the words per thread (a step of WPT e4m3 words is the bf16 step of 2 * WPT: the same K order,
-lane swap and metadata, `mma_order_meta(meta, 2 * WPT)`). Products of e4m3 values are exact in
-fp32; the sum is scaled by x's per-token scale before the split-K reduction and by the row scale
-after it. Neither the SwiGLU epilogue nor the norm hand-off run with e4m3: the kernel after
-either takes e4m3 x, which the norm / SwiGLU kernel quantises.
+an e4m3 mma.sp (m16n8k64) into f16 MMAs plus a rewrite of the metadata in integer instructions per
+MMA. So the kernel does the widening itself, where it is cheapest: each loaded word (two groups'
+four kept values) becomes two f16 pairs (`cvt.rn.f16x2.e4m3x2`, exact), x's e4m3 quads likewise,
+and the f16 mma.sp m16n8k32 runs on them exactly as the bf16 path at twice the words per thread (a
+step of WPT e4m3 words is the bf16 step of 2 * WPT: the same K order, lane swap and metadata,
+`mma_order_meta(meta, 2 * WPT)`). Products of e4m3 values are exact in fp32; the sum is scaled by
+x's per-token scale before the split-K reduction and by the row scale after it. Neither the SwiGLU
+epilogue nor the norm hand-off run with e4m3: the GEMM after either takes e4m3 x, which the norm /
+SwiGLU kernel quantises.
 
 RMSNorm hand-off (NORM_OUT / NORM_IN, not with the SwiGLU epilogue): the kernel is the GEMM before
 or after a norm that runs in their epilogues instead of its own launch (the protocol:
