@@ -587,6 +587,20 @@ def test_sparse_mma_kernel_compiles_for_sm90():
             assert len(fused_loops) == 1 and fused_loops[0].count("mma.sp") == body.count("mma.sp")
             assert fused_loops[0].count("ld.global") == body.count("ld.global")
             assert ("sqrt" in fused) == ("NORM_IN" in handoff)
+    # e4m3 values and x (`2:4+fp8`): the same loop on f16 pairs. Per step and row block, 2 * WPT
+    # stored words widen to 4 * WPT pairs (two cvt each) for WPT f16 k32 MMAs per token tile, and
+    # each token tile's 2 * WPT words of x likewise; no e4m3 MMA (ptxas would emulate it).
+    for wpt, mp, wk, warps, split, rb in ((4, 8, 1, 8, 1, 1), (8, 16, 2, 4, 2, 1), (4, 16, 2, 4, 1, 2)):
+        ptx = compile_sm90(sparse24_sp_kernel, SP_ARGS, dict(K=8192, BLOCK_N=16 * rb * warps // wk, WPT=wpt, MP=mp,
+                                                          WK=wk, SPLIT_K=split, HAS_SCALE=True, E4M3=True),
+                           num_warps=warps)
+        loops = ptx_loops(ptx)
+        assert len(loops) == 1
+        body, tiles = loops[0], mp // 8
+        assert body.count("mma.sp.sync.aligned.m16n8k32.row.col.f32.f16.f16.f32") == 2 * wpt * tiles * rb
+        assert "e4m3.e4m3" not in ptx and "bf16.bf16" not in body
+        assert body.count("cvt.rn.f16x2.e4m3x2") == 2 * 4 * wpt * (rb + tiles)
+        assert "shared" not in body and "bar.sync" not in body
     # Small K: one K step per warp (K = 64 at WPT 4; 256 over 2 warps at WPT 8), odd step counts
     # (704 = 11 steps of 64), WPT 2
     for k, wpt, wk, warps in ((64, 4, 1, 4), (256, 8, 2, 4), (704, 4, 1, 4), (96, 2, 1, 4)):
