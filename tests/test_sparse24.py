@@ -646,8 +646,9 @@ def test_mma_order_meta_is_the_registers_the_kernel_passes():
     # Register (block, step, g, q, c): rows 16 block + g (bits 0..15) and + 8 (16..31), logical
     # groups 4q .. 4q + 3 of MMA c, a nibble each; byte (WPT/2) m + c of a row's step holds
     # logical groups m (low nibble) and m + 4 (high). Built here from the bytes, independently.
+    # (WPT 16: the order the e4m3 kernel at WPT 8 takes, its words widened to twice the pairs.)
     from engine.kernels.sparse24_gluon import mma_order_meta
-    for wpt in (2, 4, 8):
+    for wpt in (2, 4, 8, 16):
         n, k = 37, 16 * wpt * 3
         meta = torch.randint(0, 256, (n, k // 8), dtype=torch.uint8)
         mo = mma_order_meta(meta, wpt)
@@ -662,8 +663,9 @@ def test_mma_order_meta_is_the_registers_the_kernel_passes():
                     byte = int(meta[row, s * 2 * wpt + (wpt // 2) * m + c])
                     want[b, s, g, q, c] |= ((byte >> (4 * q)) & 15) << (4 * m + 16 * h)
         assert torch.equal(mo.long() & 0xFFFFFFFF, want)
-    b = s24.Sparse24Weight.from_dense(s24.prune_24(torch.randn(32, 256).bfloat16()))
-    assert all(getattr(b, f"meta_mma_{wpt}") is None for wpt in s24.MMA_ORDER_WPTS)  # CPU
+    w = s24.prune_24(torch.randn(32, 256).bfloat16())
+    for b in (s24.Sparse24Weight.from_dense(w), s24.Sparse24Fp8Weight.from_dense(w)):
+        assert all(getattr(b, f"meta_mma_{wpt}") is None for wpt in s24.MMA_ORDER_WPTS)  # CPU
 
 
 def test_sparse_mma_launch_refuses_handoffs_it_cannot_run():
