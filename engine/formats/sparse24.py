@@ -192,29 +192,22 @@ def _dense_input(x, x_scale, dtype):
 
 def _run_gluon(x, w, config, x_scale=None, swiglu=False, out=None, **handoff):
     """handoff: the RMSNorm hand-off's norm_out (out is then the residual) or row_scale
-    (engine/kernels/sparse24_gluon.py `launch`)."""
+    (engine/kernels/sparse24_gluon.py `launch`). e4m3 values (`2:4+fp8`): x e4m3 with its
+    per-token scale, quantised here when it comes in the model dtype."""
     from engine.kernels import sparse24_gluon as sp
-    x = _dense_input(x, x_scale, w.dtype)
+    if w.values.dtype == torch.float8_e4m3fn:
+        if x_scale is None:
+            x, x_scale = quantize_act_fp8(x)
+        handoff["x_scale"] = x_scale.reshape(-1).float()
+    else:
+        x = _dense_input(x, x_scale, w.dtype)
     reason = (sp.swiglu_unsupported if swiglu else sp.unsupported)(x, w.values, w.meta, config)
     if reason is not None:
         raise ValueError(f"sparse-MMA kernel, config {config}: {reason}")
     if out is None:
         n = w.out_features // 2 if swiglu else w.out_features
-        out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+        out = torch.empty(x.shape[0], n, dtype=w.dtype, device=x.device)
     return sp.launch(x, w.values, getattr(w, f"meta_mma_{config[3]}"), w.scale, config, out, swiglu, **handoff)
-
-
-def _run_gluon_fp8(x, w, config, x_scale=None):
-    """e4m3 values: x e4m3 with its per-token scale (quantised here when it comes in bf16)."""
-    from engine.kernels import sparse24_gluon as sp
-    if x_scale is None:
-        x, x_scale = quantize_act_fp8(x)
-    reason = sp.unsupported(x, w.values, w.meta, config)
-    if reason is not None:
-        raise ValueError(f"sparse-MMA kernel, config {config}: {reason}")
-    out = torch.empty(x.shape[0], w.out_features, dtype=w.dtype, device=x.device)
-    return sp.launch(x, w.values, getattr(w, f"meta_mma_{config[3]}"), w.scale, config, out,
-                     x_scale=x_scale.reshape(-1).float())
 
 
 def _run_triton(x, w, config, x_scale=None):
@@ -247,7 +240,7 @@ CUSPARSELT = Kernel("cusparselt", _run_cusparselt, check=_library_check, configs
 TRITON = Kernel("triton_stream", _run_triton, configs=_triton_configs)
 REFERENCE = Kernel("reference", _run_reference, reference=True)
 SPARSE24_GEMM = {9: [GLUON_SP, CUSPARSELT, TRITON, REFERENCE], "other": [CUSPARSELT, TRITON, REFERENCE]}
-GLUON_SP_FP8 = Kernel("gluon_sparse_mma_fp8", _run_gluon_fp8, max_m=16, check=_gluon_check, configs=_gluon_configs,
+GLUON_SP_FP8 = Kernel("gluon_sparse_mma_fp8", _run_gluon, max_m=16, check=_gluon_check, configs=_gluon_configs,
                       input_quant="fp8")
 SPARSE24_FP8_GEMM = {9: [GLUON_SP_FP8, Kernel("torchao_cutlass_sm90", _run_torchao, check=_library_check,
                                               input_quant="fp8"), TRITON, REFERENCE],
