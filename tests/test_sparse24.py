@@ -253,7 +253,7 @@ def _gluon_runs(m, x, t, scale=None):
         return []
     results = []
     for cfg in s24.GLUON_CONFIGS[m_bucket(m)]:
-        if sp.unsupported(x, t.values, t.meta, cfg) is not None:
+        if sp.unsupported(x, t.values, cfg) is not None:
             continue
         o = torch.full((m, t.shape[0]), float("nan"), device="cuda", dtype=torch.bfloat16)
         results.append((cfg, sp.launch(x, t.values, sp.mma_order_meta(t.meta, cfg[3]), scale, cfg, o)))
@@ -294,7 +294,7 @@ def test_gpu_sparse_mma_kernel(m):
         w, x = _gpu_case(m, n, k, 5 * m + n)
         t = s24.compress_24(w)
         for cfg in cfgs:
-            assert sp.unsupported(x, t.values, t.meta, cfg) is None, cfg
+            assert sp.unsupported(x, t.values, cfg) is None, cfg
             for sc in scales:
                 sc = None if sc is None else torch.rand(n, device="cuda") + 0.5
                 ref = fp64_ref(x, w if sc is None else w.double() * sc.double()[:, None])
@@ -349,7 +349,7 @@ def test_gpu_sparse_mma_kernel_e4m3(m, tmp_path):
     for n, k, cfgs in ((777, 4096, bucket), (4096, 14336, bucket), (48, 1024, others[:2]), (1000, 2048, others)):
         f, qx, xs, ref = _fp8_case(m, n, k, 13 * m + n)
         for cfg in cfgs:
-            assert sp.unsupported(qx, f.values, f.meta, cfg) is None, cfg
+            assert sp.unsupported(qx, f.values, cfg) is None, cfg
             out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
             sp.launch(qx, f.values, sp.mma_order_meta(f.meta, 2 * cfg[3]), f.scale, cfg, out, x_scale=xs)
             torch.cuda.synchronize()
@@ -397,7 +397,7 @@ def test_gpu_sparse_mma_norm_handoff(m):
         w, x = _gpu_case(m, n, k, 7 * m + n)
         t = s24.compress_24(w)
         for cfg in s24.GLUON_CONFIGS[m_bucket(m)]:
-            if sp.unsupported(x, t.values, t.meta, cfg) is not None:
+            if sp.unsupported(x, t.values, cfg) is not None:
                 continue
             meta = sp.mma_order_meta(t.meta, cfg[3])
             for _ in range(2):
@@ -448,7 +448,7 @@ def test_gpu_sparse_mma_swiglu_epilogue(m, tmp_path):
         metas = {wpt: sp.mma_order_meta(t.meta, wpt) for wpt in s24.MMA_ORDER_WPTS}
         y = x.double() @ w.double().t()
         ref = torch.nn.functional.silu(y[:, :f]) * y[:, f:]
-        cfgs = [c for c in all_cfgs if sp.swiglu_unsupported(x, t.values, t.meta, c) is None]
+        cfgs = [c for c in all_cfgs if sp.swiglu_unsupported(x, t.values, c) is None]
         assert len(cfgs) >= 5
         for cfg in cfgs:
             out = torch.full((m, f), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -687,6 +687,10 @@ def test_sparse_mma_launch_refuses_handoffs_it_cannot_run():
         sp.launch(x, t.values, t.meta, None, cfg, y, norm_out=norm_out[:2] + (torch.zeros(1, 16),))
     with pytest.raises(ValueError, match="parts"):
         sp.launch(x, t.values, t.meta, None, cfg, y, row_scale=(torch.zeros(3, 8), 1e-5))
+    # The metadata must be the MMA-order copy of the config's WPT.
+    for meta in (t.meta, sp.mma_order_meta(t.meta, 8)):
+        with pytest.raises(ValueError, match="meta_mma"):
+            sp.launch(x, t.values, meta, None, cfg, y)
 
 
 def test_sparse_mma_configs_are_decode_candidates():
@@ -721,6 +725,7 @@ def test_sparse_mma_configs_are_decode_candidates():
             assert pick(1, mma_order=False, **fp8) == "triton_stream"
             swiglu = dict(table=s24.SPARSE24_SWIGLU, op="sparse24_swiglu")
             assert [pick(m, **swiglu) for m in (1, 4, 5, 16)] == ["gluon_sparse_mma_swiglu"] * 2 + ["separate"] * 2
+            assert pick(1, values=torch.float8_e4m3fn, **swiglu) == "separate"   # e4m3: the plain epilogue only
         with fake_capability((10, 0)):
             assert pick(1) == "triton_stream" and pick(1, library=True) == "cusparselt"
             assert pick(1, **dict(table=s24.SPARSE24_SWIGLU, op="sparse24_swiglu")) == "separate"

@@ -3,7 +3,8 @@ and `2:4+fp8` backends and their kernel lists.
 
 W [N, K] keeps 2 of every 4 consecutive entries along K (the input dimension). Stored compressed:
 the kept values [N, K/2] (bf16, or e4m3 with a per-output-channel fp32 scale) plus a 4-bit nibble
-per group (two 2-bit positions): 56% of dense bf16, 31% with e4m3 values.
+per group (two 2-bit positions): 56% of dense bf16, 31% with e4m3 values. On sm_90 the kernels'
+own orders of the metadata come on top (BENCHMARKS.md, "2:4-sparse FFN": memory).
 
 The 2:4 GEMM with bf16 values, per architecture (engine/kernels/select.py):
 - sm_90: M <= 16 the Gluon sparse-MMA kernel (engine/kernels/sparse24_gluon.py: mma.sp on the
@@ -152,13 +153,19 @@ GLUON_CONFIGS = {
 MMA_ORDER_WPTS = (4, 8)  # the WPTs of GLUON_CONFIGS: one copy of the metadata in MMA order each
 
 
+def _meta_wpt(wpt: int, e4m3: bool) -> int:
+    """The WPT of the metadata order the sparse-MMA kernel takes at WPT = wpt: an e4m3 word widens
+    to two bf16 words' K. A warp's K step is 16 times it."""
+    return 2 * wpt if e4m3 else wpt
+
+
 def _triton_configs(p: Problem) -> list:
     return TRITON_CONFIGS[min(max(m_bucket(p.m), 16), 128)]
 
 
 def _gluon_fits(cfg, n: int, k: int, swiglu: bool = False, e4m3: bool = False) -> bool:
     _, _, bn, wpt, split_k, warps, wk = cfg
-    step = (32 if e4m3 else 16) * wpt  # a warp's K step; the metadata in MMA order is per step
+    step = 16 * _meta_wpt(wpt, e4m3)
     rb = bn // (16 * (warps // wk)) if warps % wk == 0 else 0
     ok = (k % (split_k * wk * step) == 0 and rb > 0 and bn == 16 * rb * (warps // wk) and rb & (rb - 1) == 0)
     return ok and (not swiglu or split_k == 1 and rb >= 2 and n % 32 == 0)
@@ -201,7 +208,7 @@ def _run_gluon(x, w, config, x_scale=None, swiglu=False, out=None, **handoff):
         handoff["x_scale"] = x_scale.reshape(-1).float()
     else:
         x = _dense_input(x, x_scale, w.dtype)
-    reason = (sp.swiglu_unsupported if swiglu else sp.unsupported)(x, w.values, w.meta, config)
+    reason = (sp.swiglu_unsupported if swiglu else sp.unsupported)(x, w.values, config)
     if reason is not None:
         raise ValueError(f"sparse-MMA kernel, config {config}: {reason}")
     if out is None:
@@ -249,9 +256,15 @@ SPARSE24_FP8_GEMM = {9: [GLUON_SP_FP8, Kernel("torchao_cutlass_sm90", _run_torch
 # GEMM, then the SwiGLU kernel: Linear.swiglu). Up to 4 tokens only: it needs SPLIT_K = 1 and two row
 # blocks per warp, which cost more than the SwiGLU kernel saves at 8-16 tokens.
 SEPARATE = Kernel("separate", None, needs_cuda=False)
+
+
+def _gluon_swiglu_check(p: Problem) -> str | None:
+    return "e4m3 values: the plain epilogue only" if p.detail[0] == torch.float8_e4m3fn else _gluon_check(p)
+
+
 SPARSE24_SWIGLU = {
     9: [Kernel("gluon_sparse_mma_swiglu", lambda x, w, config: _run_gluon(x, w, config, swiglu=True),
-               max_m=4, check=_gluon_check, configs=_gluon_configs), SEPARATE],
+               max_m=4, check=_gluon_swiglu_check, configs=_gluon_configs), SEPARATE],
     "other": [SEPARATE]}
 
 
@@ -269,6 +282,7 @@ def _values_view(packed: torch.Tensor | None, values: torch.Tensor) -> torch.Ten
 class _Sparse24Base(WeightFormat):
     table: dict
     op: str
+    swiglu_table: dict | None = None    # where a fused gate/up can take silu(gate) * up in its GEMM
 
     def __init__(self, t: Sparse24Tensor):
         super().__init__(*t.shape)
@@ -279,13 +293,13 @@ class _Sparse24Base(WeightFormat):
         configurations (e4m3 values: the order of the f16 pairs they widen to, 2 * WPT), built with
         the weight so that the KV cache is sized after it; None where the kernel cannot run."""
         cap = capability(t.values.device)
-        widen = 2 if t.values.dtype == torch.float8_e4m3fn else 1
+        e4m3 = t.values.dtype == torch.float8_e4m3fn
         for wpt in MMA_ORDER_WPTS:
             meta = None
             if (cap is not None and cap[0] == 9 and self.dtype == torch.bfloat16
-                    and t.shape[1] % (16 * widen * wpt) == 0 and not gluon_missing()):
+                    and t.shape[1] % (16 * _meta_wpt(wpt, e4m3)) == 0 and not gluon_missing()):
                 from engine.kernels.sparse24_gluon import mma_order_meta
-                meta = mma_order_meta(t.meta, widen * wpt)
+                meta = mma_order_meta(t.meta, _meta_wpt(wpt, e4m3))
             self.register_buffer(f"meta_mma_{wpt}", meta)
 
     @property
@@ -318,7 +332,7 @@ class _Sparse24Base(WeightFormat):
             if pick is not None:
                 self.tuned.setdefault(self.op, {})[m_bucket(m)] = pick
             select(self.table, problem, self.tuned.get(self.op))   # chosen and logged now
-            if swiglu and m <= 4:
+            if swiglu and m <= 4 and self.swiglu_table is not None:
                 self._tune_swiglu(tuner, x)
 
     def _candidates(self, problem, x):
@@ -332,7 +346,7 @@ class _Sparse24Base(WeightFormat):
 
         def candidates():
             fused = [(k.name, c, lambda k=k, c=c: k.run(x, self, config=c))
-                     for k, c in runnable(SPARSE24_SWIGLU, problem) if k is not SEPARATE]
+                     for k, c in runnable(self.swiglu_table, problem) if k is not SEPARATE]
             return fused + [(SEPARATE.name, None, lambda: swiglu(self(x)))] if fused else []
         pick = tuner.best(problem, candidates)
         if pick is not None:
@@ -360,7 +374,7 @@ class _Sparse24Base(WeightFormat):
 class Sparse24Weight(_Sparse24Base):
     """`--sparse-ffn`: a bf16 2:4 weight."""
     name = "2:4"
-    table, op = SPARSE24_GEMM, "sparse24_gemm"
+    table, op, swiglu_table = SPARSE24_GEMM, "sparse24_gemm", SPARSE24_SWIGLU
 
     def __init__(self, t: Sparse24Tensor):
         super().__init__(t)

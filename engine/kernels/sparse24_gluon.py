@@ -358,9 +358,9 @@ def sparse24_sp_kernel(
                           BLOCK_N, MP, SPLIT_K, NORM_IN, NORM_OUT, parts_in, eps, K, parts_ptr, g_ptr, xg_ptr)
 
 
-def unsupported(x, values, meta, cfg) -> str | None:
+def unsupported(x, values, cfg) -> str | None:
     """Why the kernel cannot run this call with config ("sp", BM, BLOCK_N, WPT, SPLIT_K, num_warps,
-    WK), or None."""
+    WK), or None. (The metadata copy `launch` takes is checked there: it is per WPT.)"""
     _, _, bn, wpt, split_k, warps, wk = cfg
     m, k = x.shape
     if (values.dtype, x.dtype) not in ((torch.bfloat16,) * 2, (torch.float8_e4m3fn,) * 2):
@@ -370,14 +370,19 @@ def unsupported(x, values, meta, cfg) -> str | None:
     step = (32 if values.dtype == torch.float8_e4m3fn else 16) * wpt
     if k % (split_k * wk * step):
         return f"K={k} not a multiple of {split_k * wk * step}"
-    if values.stride(0) != k // 2 or meta.stride(0) != k // 8 or values.stride(1) != 1 or meta.stride(1) != 1:
-        return "strided values/meta"
+    if values.stride(0) != k // 2 or values.stride(1) != 1:
+        return "strided values"
     if x.stride(1) != 1 or x.stride(0) * x.element_size() % 16 or x.data_ptr() % 16:
         return "x not read as 16-byte vectors (unit stride along K, rows 16-byte aligned)"
     rb = bn // (16 * (warps // wk)) if warps % wk == 0 else 0
     if warps % wk or bn != 16 * rb * (warps // wk) or rb & (rb - 1):
         return "BLOCK_N must be 16 * RB rows per row warp, RB a power of 2"
     return None
+
+
+def mma_meta_shape(n: int, k: int, wpt: int) -> tuple[int, ...]:
+    """The shape of `mma_order_meta` of an [N, K] weight at WPT = wpt."""
+    return (-(-n // 16), k // (16 * wpt), 8, 2, wpt // 2)
 
 
 def mma_order_meta(meta: torch.Tensor, wpt: int) -> torch.Tensor:
@@ -400,9 +405,9 @@ def mma_order_meta(meta: torch.Tensor, wpt: int) -> torch.Tensor:
     return reg.permute(0, 2, 1, 4, 3).contiguous()
 
 
-def swiglu_unsupported(x, values, meta, cfg) -> str | None:
+def swiglu_unsupported(x, values, cfg) -> str | None:
     """Why the kernel cannot compute silu(gate) * up of the fused gate/up weight with cfg, or None."""
-    reason = unsupported(x, values, meta, cfg)
+    reason = unsupported(x, values, cfg)
     if reason:
         return reason
     _, _, bn, wpt, split_k, warps, wk = cfg
@@ -444,6 +449,10 @@ def launch(x, values, meta_mma, scale, cfg, out, swiglu=False, norm_out=None, ro
     if row_scale is not None:
         check_parts(parts)
     n_parts = parts.shape[0] if parts is not None else 0
+    want = mma_meta_shape(n, k, (2 if e4m3 else 1) * wpt)
+    if meta_mma.dtype != torch.int32 or tuple(meta_mma.shape) != want or not meta_mma.is_contiguous():
+        raise ValueError(f"meta_mma: mma_order_meta(meta, {(2 if e4m3 else 1) * wpt}) for WPT {wpt}, int32 "
+                         f"{want}; got {meta_mma.dtype} {tuple(meta_mma.shape)}")
     acc, count = split_k_buffers(x.device, m * n, tiles) if split_k > 1 else (out, out)
     words = values.view(torch.int32)  # two kept values of one group (bf16) or of two (e4m3)
     xs = x_scale.reshape(m) if e4m3 else words
@@ -451,8 +460,7 @@ def launch(x, values, meta_mma, scale, cfg, out, swiglu=False, norm_out=None, ro
         x.view(torch.int32), words, meta_mma, scale if scale is not None else words, xs, out, acc, count,
         parts if parts is not None else out, g, xg, n_parts, float(eps), m, n,
         x.stride(0) * x.element_size() // 4, out.stride(0), K=k, BLOCK_N=bn, WPT=wpt, MP=8 if m <= 8 else 16,
-        WK=wk,
-        SPLIT_K=split_k, HAS_SCALE=scale is not None, SWIGLU=swiglu, NORM_IN=row_scale is not None,
+        WK=wk, SPLIT_K=split_k, HAS_SCALE=scale is not None, SWIGLU=swiglu, NORM_IN=row_scale is not None,
         NORM_OUT=norm_out is not None, PARTS=triton.next_power_of_2(n_parts) if row_scale is not None else 1,
         E4M3=e4m3, num_warps=warps)
     return out
