@@ -220,6 +220,7 @@ class Engine:
         self.eos_ids = set(cfg.eos_token_ids)
         self.max_model_len = min(config.max_model_len or min(cfg.max_position_embeddings, 8192),
                                  cfg.max_position_embeddings)
+        self._tune()    # first: the KV cache is sized from what tuning leaves free
         num_blocks = self._num_kv_blocks()
         if self.tp is not None:     # rank 0 schedules for all: every rank must hold its blocks
             num_blocks = self.tp.agree_min(num_blocks)
@@ -228,7 +229,6 @@ class Engine:
         self.scheduler = Scheduler(self.kv_cache.pool, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.enable_prefix_caching)
         self.sampler = Sampler(self.device, config.seed)
-        self._tune()
         self.graphs = self.step_graphs = None
         if self.device.type == "cuda":   # compiled now, not in the middle of a serving step
             compile_step_kernels(*self.kv_cache.layer(0), self.model.layers[0].self_attn.num_heads, self.dtype,
@@ -413,7 +413,9 @@ class Engine:
     def _tune(self) -> None:
         """Tune the GEMM kernels for every M bucket the engine will run (decode batches up to
         max_num_seqs, prefill steps up to max_num_batched_tokens), before serving: on disk after the
-        first start (engine/kernels/tuner.py). Streamed layers are not tuned (their weights move)."""
+        first start (engine/kernels/tuner.py). It runs before the KV cache is sized from the free
+        memory, its scratch given back first, so that the timing's buffers never compete with the
+        cache. Streamed layers are not tuned (their weights move)."""
         if self.device.type != "cuda" or self.streamer is not None:
             return
         c = self.config
@@ -421,6 +423,7 @@ class Engine:
         tuner = Tuner(enabled=c.tune == "on")
         t0 = time.perf_counter()
         tune_model(self.model, tuner, [1 << i for i in range(top.bit_length())])
+        torch.cuda.empty_cache()
         if tuner.timed:
             tuner.save()
             log.info("tuned %d kernel candidates in %.1f s (cache: %s)", tuner.timed,

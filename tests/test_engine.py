@@ -47,6 +47,18 @@ def test_batched_equals_alone(llm, prompts16, alone):
     assert m["graph_decode_batch_sizes"] == m["graph_step_sizes"] == 0     # the CPU captures none
 
 
+def test_tuning_comes_before_the_kv_cache_is_sized(monkeypatch):
+    # The KV cache is sized from the memory free after tuning, so the timing's buffers (up to the
+    # largest step's activations) never have to fit beside a cache that took the device's memory.
+    from engine import engine as engine_module
+    order = []
+    tune, size = engine_module.Engine._tune, engine_module.Engine._num_kv_blocks
+    monkeypatch.setattr(engine_module.Engine, "_tune", lambda self: order.append("tune") or tune(self))
+    monkeypatch.setattr(engine_module.Engine, "_num_kv_blocks", lambda self: order.append("size") or size(self))
+    LLM("llama-tiny", device="cpu", kv_cache_tokens=256).shutdown(timeout=1)
+    assert order == ["tune", "size"]
+
+
 def test_small_pool_preempts_and_recomputes(prompts16, alone):
     # 48 blocks x 16 = 768 tokens for ~2,100 tokens of prompts plus outputs: preemption is certain.
     # A small step budget also chunks the long prompts.
