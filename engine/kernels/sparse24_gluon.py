@@ -449,10 +449,11 @@ def launch(x, values, meta_mma, scale, cfg, out, swiglu=False, norm_out=None, ro
     if row_scale is not None:
         check_parts(parts)
     n_parts = parts.shape[0] if parts is not None else 0
-    want = mma_meta_shape(n, k, (2 if e4m3 else 1) * wpt)
+    meta_wpt = 2 * wpt if e4m3 else wpt
+    want = mma_meta_shape(n, k, meta_wpt)
     if meta_mma.dtype != torch.int32 or tuple(meta_mma.shape) != want or not meta_mma.is_contiguous():
-        raise ValueError(f"meta_mma: mma_order_meta(meta, {(2 if e4m3 else 1) * wpt}) for WPT {wpt}, int32 "
-                         f"{want}; got {meta_mma.dtype} {tuple(meta_mma.shape)}")
+        raise ValueError(f"meta_mma: mma_order_meta(meta, {meta_wpt}) for WPT {wpt}, int32 {want}; "
+                         f"got {meta_mma.dtype} {tuple(meta_mma.shape)}")
     acc, count = split_k_buffers(x.device, m * n, tiles) if split_k > 1 else (out, out)
     words = values.view(torch.int32)  # two kept values of one group (bf16) or of two (e4m3)
     xs = x_scale.reshape(m) if e4m3 else words
