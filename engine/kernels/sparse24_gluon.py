@@ -358,6 +358,13 @@ def sparse24_sp_kernel(
                           BLOCK_N, MP, SPLIT_K, NORM_IN, NORM_OUT, parts_in, eps, K, parts_ptr, g_ptr, xg_ptr)
 
 
+def _meta_wpt(wpt: int, e4m3: bool) -> int:
+    """The WPT of the metadata order (and 1/16 of the K step) at WPT = wpt: an e4m3 word widens to
+    two bf16 words' K. (engine/formats/sparse24.py states the same rule: it imports this module only
+    where Gluon is present.)"""
+    return 2 * wpt if e4m3 else wpt
+
+
 def unsupported(x, values, cfg) -> str | None:
     """Why the kernel cannot run this call with config ("sp", BM, BLOCK_N, WPT, SPLIT_K, num_warps,
     WK), or None. (The metadata copy `launch` takes is checked there: it is per WPT.)"""
@@ -367,7 +374,7 @@ def unsupported(x, values, cfg) -> str | None:
         return "bf16 values and activations, or e4m3 both"
     if m > 16:
         return "M > 16"
-    step = (32 if values.dtype == torch.float8_e4m3fn else 16) * wpt
+    step = 16 * _meta_wpt(wpt, values.dtype == torch.float8_e4m3fn)
     if k % (split_k * wk * step):
         return f"K={k} not a multiple of {split_k * wk * step}"
     if values.stride(0) != k // 2 or values.stride(1) != 1:
@@ -449,7 +456,7 @@ def launch(x, values, meta_mma, scale, cfg, out, swiglu=False, norm_out=None, ro
     if row_scale is not None:
         check_parts(parts)
     n_parts = parts.shape[0] if parts is not None else 0
-    meta_wpt = 2 * wpt if e4m3 else wpt
+    meta_wpt = _meta_wpt(wpt, e4m3)
     want = mma_meta_shape(n, k, meta_wpt)
     if meta_mma.dtype != torch.int32 or tuple(meta_mma.shape) != want or not meta_mma.is_contiguous():
         raise ValueError(f"meta_mma: mma_order_meta(meta, {meta_wpt}) for WPT {wpt}, int32 {want}; "
