@@ -81,7 +81,7 @@ def main():
             swept += [(name, m, cfg, t, frac(t)) for t, cfg in timed.values()] if args.sweep else []
             print(f"| {name} | {m} | {nbytes / 1e6:.1f} | {t_cublas * 1e6:.1f} | {frac(t_cublas):.0%} | "
                   f"{t_rule * 1e6:.1f} | {frac(t_rule):.0%} | {cfg_s} | {t_cublas / t_rule:.2f} | {best_s} |", flush=True)
-        del ws
+        ws.clear()      # this shape's weights, before the next shape's
         torch.cuda.empty_cache()
     if swept:
         print("\n| shape | M | BLOCK_N x BLOCK_K | split | stages | us | of copy |\n|---|---:|---|---:|---:|---:|---:|")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
-from engine.engine import WORKERS_EXIT_S, Engine, StreamChunk
+from engine.engine import WORKERS_EXIT_S, Engine
 from engine.kernels.norms import l2_norm
 from engine.parallel import serve_steps
 from engine.sampling import SamplingParams, TokenLogprob

@@ -11,7 +11,6 @@ import sys
 import pytest
 import torch
 
-import engine
 from engine.batch import build_prefill_only
 from engine.formats import WeightFormat
 from engine.memory import allocator
