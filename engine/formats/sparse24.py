@@ -153,27 +153,15 @@ GLUON_CONFIGS = {
 MMA_ORDER_WPTS = (4, 8)  # the WPTs of GLUON_CONFIGS: one copy of the metadata in MMA order each
 
 
-def _meta_wpt(wpt: int, e4m3: bool) -> int:
-    """The WPT of the metadata order the sparse-MMA kernel takes at WPT = wpt: an e4m3 word widens
-    to two bf16 words' K. A warp's K step is 16 times it."""
-    return 2 * wpt if e4m3 else wpt
-
-
 def _triton_configs(p: Problem) -> list:
     return TRITON_CONFIGS[min(max(m_bucket(p.m), 16), 128)]
 
 
-def _gluon_fits(cfg, n: int, k: int, swiglu: bool = False, e4m3: bool = False) -> bool:
-    _, _, bn, wpt, split_k, warps, wk = cfg
-    step = 16 * _meta_wpt(wpt, e4m3)
-    rb = bn // (16 * (warps // wk)) if warps % wk == 0 else 0
-    ok = (k % (split_k * wk * step) == 0 and rb > 0 and bn == 16 * rb * (warps // wk) and rb & (rb - 1) == 0)
-    return ok and (not swiglu or split_k == 1 and rb >= 2 and n % 32 == 0)
-
-
 def _gluon_configs(p: Problem) -> list:
+    from engine.kernels.sparse24_gluon import config_unfit   # reached past _gluon_check's Gluon test
     e4m3 = bool(p.detail) and p.detail[0] == torch.float8_e4m3fn
-    return [c for c in GLUON_CONFIGS[m_bucket(p.m)] if _gluon_fits(c, p.n, p.k, p.op.endswith("swiglu"), e4m3)]
+    swiglu = p.op.endswith("swiglu")
+    return [c for c in GLUON_CONFIGS[m_bucket(p.m)] if config_unfit(p.n, p.k, c, e4m3, swiglu) is None]
 
 
 def _gluon_check(p: Problem) -> str | None:
@@ -208,7 +196,7 @@ def _run_gluon(x, w, config, x_scale=None, swiglu=False, out=None, **handoff):
         handoff["x_scale"] = x_scale.reshape(-1).float()
     else:
         x = _dense_input(x, x_scale, w.dtype)
-    reason = (sp.swiglu_unsupported if swiglu else sp.unsupported)(x, w.values, config)
+    reason = sp.unsupported(x, w.values, config, swiglu)
     if reason is not None:
         raise ValueError(f"sparse-MMA kernel, config {config}: {reason}")
     if out is None:
@@ -296,10 +284,10 @@ class _Sparse24Base(WeightFormat):
         e4m3 = t.values.dtype == torch.float8_e4m3fn
         for wpt in MMA_ORDER_WPTS:
             meta = None
-            if (cap is not None and cap[0] == 9 and self.dtype == torch.bfloat16
-                    and t.shape[1] % (16 * _meta_wpt(wpt, e4m3)) == 0 and not gluon_missing()):
-                from engine.kernels.sparse24_gluon import mma_order_meta
-                meta = mma_order_meta(t.meta, _meta_wpt(wpt, e4m3))
+            if cap is not None and cap[0] == 9 and self.dtype == torch.bfloat16 and not gluon_missing():
+                from engine.kernels.sparse24_gluon import meta_wpt, mma_order_meta
+                if t.shape[1] % (16 * meta_wpt(wpt, e4m3)) == 0:
+                    meta = mma_order_meta(t.meta, meta_wpt(wpt, e4m3))
             self.register_buffer(f"meta_mma_{wpt}", meta)
 
     @property

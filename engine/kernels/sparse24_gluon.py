@@ -2,8 +2,8 @@
 M <= 16 tokens: y = x @ W^T, W 2:4-compressed (`values` [N, K/2], bf16 or e4m3 with e4m3 x (E4M3
 below), `meta` uint8 [N, K/8], see engine/formats/sparse24.py, with the metadata rearranged once
 per weight by `mma_order_meta`). `launch(x, values, meta_mma, scale, config, out, swiglu, ...,
-x_scale)` runs it where `unsupported` (or `swiglu_unsupported`) returns None; a config is ("sp",
-BM, BLOCK_N, WPT, SPLIT_K, num_warps, WK).
+x_scale)` runs it where `unsupported(x, values, config, swiglu)` returns None; a config is ("sp",
+BM, BLOCK_N, WPT, SPLIT_K, num_warps, WK), its shape rules `config_unfit`.
 
 The kept values go to the tensor core as they are stored: mma.sp takes the A operand compressed
 (16 x 16 kept values standing for 16 x 32) plus 2-bit indices, so there is no expansion in registers
@@ -358,33 +358,43 @@ def sparse24_sp_kernel(
                           BLOCK_N, MP, SPLIT_K, NORM_IN, NORM_OUT, parts_in, eps, K, parts_ptr, g_ptr, xg_ptr)
 
 
-def _meta_wpt(wpt: int, e4m3: bool) -> int:
-    """The WPT of the metadata order (and 1/16 of the K step) at WPT = wpt: an e4m3 word widens to
-    two bf16 words' K. (engine/formats/sparse24.py states the same rule: it imports this module only
-    where Gluon is present.)"""
+def meta_wpt(wpt: int, e4m3: bool) -> int:
+    """The WPT of the metadata order (and 1/16 of a warp's K step) at WPT = wpt: an e4m3 word widens
+    to two bf16 words' K."""
     return 2 * wpt if e4m3 else wpt
 
 
-def unsupported(x, values, cfg) -> str | None:
-    """Why the kernel cannot run this call with config ("sp", BM, BLOCK_N, WPT, SPLIT_K, num_warps,
-    WK), or None. (The metadata copy `launch` takes is checked there: it is per WPT.)"""
+def config_unfit(n: int, k: int, cfg, e4m3: bool = False, swiglu: bool = False) -> str | None:
+    """Why config ("sp", BM, BLOCK_N, WPT, SPLIT_K, num_warps, WK) cannot run an [N, K] weight (e4m3
+    values; the SwiGLU epilogue), or None: the shape rules, which the format's configuration lists
+    (engine/formats/sparse24.py) apply before any call."""
     _, _, bn, wpt, split_k, warps, wk = cfg
+    step = 16 * meta_wpt(wpt, e4m3)
+    if k % (split_k * wk * step):
+        return f"K={k} not a multiple of {split_k * wk * step}"
+    rb = bn // (16 * (warps // wk)) if warps % wk == 0 else 0
+    if warps % wk or bn != 16 * rb * (warps // wk) or rb & (rb - 1):
+        return "BLOCK_N must be 16 * RB rows per row warp, RB a power of 2"
+    if swiglu and (split_k != 1 or rb < 2):
+        return "SwiGLU epilogue: SPLIT_K = 1 and at least 2 row blocks per warp"
+    if swiglu and n % 32:
+        return "SwiGLU epilogue: gate / up rows not a multiple of 16"
+    return None
+
+
+def unsupported(x, values, cfg, swiglu: bool = False) -> str | None:
+    """Why the kernel cannot run this call with config cfg (swiglu: silu(gate) * up of a fused gate/up
+    weight), or None. (The metadata copy `launch` takes is checked there: it is per WPT.)"""
     m, k = x.shape
     if (values.dtype, x.dtype) not in ((torch.bfloat16,) * 2, (torch.float8_e4m3fn,) * 2):
         return "bf16 values and activations, or e4m3 both"
     if m > 16:
         return "M > 16"
-    step = 16 * _meta_wpt(wpt, values.dtype == torch.float8_e4m3fn)
-    if k % (split_k * wk * step):
-        return f"K={k} not a multiple of {split_k * wk * step}"
     if values.stride(0) != k // 2 or values.stride(1) != 1:
         return "strided values"
     if x.stride(1) != 1 or x.stride(0) * x.element_size() % 16 or x.data_ptr() % 16:
         return "x not read as 16-byte vectors (unit stride along K, rows 16-byte aligned)"
-    rb = bn // (16 * (warps // wk)) if warps % wk == 0 else 0
-    if warps % wk or bn != 16 * rb * (warps // wk) or rb & (rb - 1):
-        return "BLOCK_N must be 16 * RB rows per row warp, RB a power of 2"
-    return None
+    return config_unfit(values.shape[0], k, cfg, values.dtype == torch.float8_e4m3fn, swiglu)
 
 
 def mma_meta_shape(n: int, k: int, wpt: int) -> tuple[int, ...]:
@@ -412,23 +422,9 @@ def mma_order_meta(meta: torch.Tensor, wpt: int) -> torch.Tensor:
     return reg.permute(0, 2, 1, 4, 3).contiguous()
 
 
-def swiglu_unsupported(x, values, cfg) -> str | None:
-    """Why the kernel cannot compute silu(gate) * up of the fused gate/up weight with cfg, or None."""
-    reason = unsupported(x, values, cfg)
-    if reason:
-        return reason
-    _, _, bn, wpt, split_k, warps, wk = cfg
-    if split_k != 1 or bn // (16 * (warps // wk)) < 2:
-        return "SwiGLU epilogue: SPLIT_K = 1 and at least 2 row blocks per warp"
-    if values.shape[0] % 32:
-        return "SwiGLU epilogue: gate / up rows not a multiple of 16"
-    return None
-
-
 def launch(x, values, meta_mma, scale, cfg, out, swiglu=False, norm_out=None, row_scale=None, x_scale=None):
     """out[M, N] = x @ W^T (times scale) with config cfg, which `unsupported` accepted; meta_mma:
-    `mma_order_meta(meta, WPT)` (e4m3: of 2 * WPT). swiglu: out [M, N/2] = silu(gate) * up
-    (`swiglu_unsupported`).
+    `mma_order_meta(meta, WPT)` (e4m3: of 2 * WPT). swiglu: out [M, N/2] = silu(gate) * up.
     The RMSNorm hand-off (engine/kernels/stream_triton.py; `store_rows` in
     engine/kernels/nvfp4_gluon.py runs it): norm_out = (g [N], xg [M, N], parts from
     `norm_parts(N, device, BLOCK_N)`), out the residual, added into; row_scale = (parts [G, 16]
@@ -456,10 +452,10 @@ def launch(x, values, meta_mma, scale, cfg, out, swiglu=False, norm_out=None, ro
     if row_scale is not None:
         check_parts(parts)
     n_parts = parts.shape[0] if parts is not None else 0
-    meta_wpt = _meta_wpt(wpt, e4m3)
-    want = mma_meta_shape(n, k, meta_wpt)
+    want_wpt = meta_wpt(wpt, e4m3)
+    want = mma_meta_shape(n, k, want_wpt)
     if meta_mma.dtype != torch.int32 or tuple(meta_mma.shape) != want or not meta_mma.is_contiguous():
-        raise ValueError(f"meta_mma: mma_order_meta(meta, {meta_wpt}) for WPT {wpt}, int32 {want}; "
+        raise ValueError(f"meta_mma: mma_order_meta(meta, {want_wpt}) for WPT {wpt}, int32 {want}; "
                          f"got {meta_mma.dtype} {tuple(meta_mma.shape)}")
     acc, count = split_k_buffers(x.device, m * n, tiles) if split_k > 1 else (out, out)
     words = values.view(torch.int32)  # two kept values of one group (bf16) or of two (e4m3)
