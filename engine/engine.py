@@ -64,6 +64,7 @@ class StreamChunk:
     prompt_tokens: int
     completion_tokens: int
     logprobs: list[TokenLogprob] | None = None
+    cached_tokens: int = 0          # of prompt_tokens, those whose KV came from the prefix cache
 
 
 # Histogram bucket bounds (seconds) of the latencies, as Prometheus exports them (serve.py /metrics).
@@ -680,7 +681,7 @@ class Engine:
     @staticmethod
     def _chunk(req, token_ids, text, reason, logprobs, completion_tokens):
         return StreamChunk(req.seq.request_id, token_ids, text, reason, len(req.seq.prompt_ids),
-                           completion_tokens, logprobs)
+                           completion_tokens, logprobs, req.seq.num_cached_tokens or 0)
 
     # ---------------------------------------------------------------- whole-sequence passes
 

@@ -37,6 +37,7 @@ class RequestOutput:
     text: str
     finish_reason: str
     logprobs: list[TokenLogprob] | None = None
+    num_cached_tokens: int = 0      # prompt tokens whose KV came from the prefix cache, not computed
 
 
 class _Failure:
@@ -123,14 +124,14 @@ class RequestStream:
 
     def result(self) -> RequestOutput:
         """Wait for the whole output (sync)."""
-        ids, text, lps, reason = [], [], [], None
+        ids, text, lps, reason, cached = [], [], [], None, 0
         for chunk in self:
             ids += chunk.token_ids
             text.append(chunk.text)
             if chunk.logprobs:
                 lps += chunk.logprobs
-            reason = chunk.finish_reason
-        return RequestOutput(self.request_id, self.prompt_ids, ids, "".join(text), reason, lps or None)
+            reason, cached = chunk.finish_reason, chunk.cached_tokens
+        return RequestOutput(self.request_id, self.prompt_ids, ids, "".join(text), reason, lps or None, cached)
 
 
 class LLM:

@@ -331,16 +331,17 @@ def validation_error(errors: list[dict]) -> APIError:
 
 class Choice:
     """What has come back for one choice so far (text kept as parts: += on a long output is quadratic)."""
-    __slots__ = ("parts", "completion_tokens", "prompt_tokens", "finish_reason", "logprobs")
+    __slots__ = ("parts", "completion_tokens", "prompt_tokens", "cached_tokens", "finish_reason", "logprobs")
 
     def __init__(self):
-        self.parts, self.completion_tokens, self.prompt_tokens = [], 0, 0
+        self.parts, self.completion_tokens, self.prompt_tokens, self.cached_tokens = [], 0, 0, 0
         self.finish_reason, self.logprobs = None, []
 
     def add(self, chunk):
         if chunk.text:
             self.parts.append(chunk.text)
         self.completion_tokens, self.prompt_tokens = chunk.completion_tokens, chunk.prompt_tokens
+        self.cached_tokens = chunk.cached_tokens
         if chunk.logprobs:
             self.logprobs.extend(chunk.logprobs)
         if chunk.finish_reason is not None:
@@ -352,10 +353,13 @@ class Choice:
 
 
 def usage(choices: list[Choice], n: int) -> dict:
-    # The prompt is counted once per prompt, not once per choice (OpenAI's convention for n > 1).
+    # The prompt is counted once per prompt, not once per choice (OpenAI's convention for n > 1), and
+    # so are its tokens served from the prefix cache (those of the choice that counts it).
     prompt = sum(c.prompt_tokens for c in choices[::n])
+    cached = sum(c.cached_tokens for c in choices[::n])
     completion = sum(c.completion_tokens for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 class TokenText:

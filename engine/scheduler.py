@@ -43,7 +43,7 @@ class Sequence:
     num_computed: int = 0               # tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)   # prefix hashes of the published blocks
-    num_cached_tokens: int = 0          # prompt tokens served from the prefix cache at admission
+    num_cached_tokens: int | None = None    # prompt tokens served from the prefix cache when first admitted
     num_pending: int = 0                # trailing output tokens sampled but not yet read back
     arrival: int = field(default_factory=lambda: next(_arrival))
     finish_reason: str | None = None
@@ -154,6 +154,8 @@ class Scheduler:
                 break                           # first come, first served: nobody skips ahead
             self.waiting.popleft()
             seq.status = Status.RUNNING
+            if seq.num_cached_tokens is None:   # a preempted sequence's re-admission does not count
+                seq.num_cached_tokens = seq.num_computed
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
             out.append(ScheduledSeq(seq, seq.num_computed, n))
             budget -= n
@@ -181,7 +183,6 @@ class Scheduler:
             seq.block_hashes.append(h)
             parent = h
         seq.num_computed = len(seq.block_table) * bs
-        seq.num_cached_tokens = seq.num_computed
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

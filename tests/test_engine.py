@@ -84,12 +84,36 @@ def test_prefix_cache_reuses_blocks(llm):
     out = llm.generate([second], GREEDY)[0]
     after = llm.metrics()
     assert after["prefix_cache_hits"] - before["prefix_cache_hits"] >= 2
+    assert out.num_cached_tokens == 32          # the two shared blocks (a 41-token prompt has no third)
     nocache = LLM("llama", device="cpu", dtype="fp32", enable_prefix_caching=False)
     try:
-        assert_same_greedy(nocache.generate([second], GREEDY), [out])
-        assert nocache.metrics()["prefix_cache_hits"] == 0
+        [alone] = nocache.generate([second], GREEDY)
+        assert_same_greedy([alone], [out])
+        assert nocache.metrics()["prefix_cache_hits"] == 0 and alone.num_cached_tokens == 0
     finally:
         nocache.shutdown(timeout=1)
+
+
+def test_cached_tokens_count_the_first_admission_only():
+    """A sequence's num_cached_tokens: the prompt tokens the prefix cache served when it was first
+    admitted. After a preemption it re-matches blocks it computed itself; those do not count."""
+    from engine.memory.kv_cache import BlockPool
+    from engine.scheduler import Scheduler, Sequence
+    sched = Scheduler(BlockPool(16, 4), max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    params = SamplingParams(max_tokens=4)
+    first = Sequence("first", list(range(1, 11)), params, 4)           # 2 full blocks of 4 + 2 tokens
+    sched.add(first)
+    [item] = sched.schedule()
+    sched.advance(item)                                                 # its 2 full blocks published
+    assert first.num_cached_tokens == 0
+    second = Sequence("second", list(range(1, 9)) + [90, 91, 92], params, 4)   # shares those 8 tokens
+    sched.add(second)
+    [item] = sched.schedule()
+    assert (item.start, second.num_cached_tokens) == (8, 8)
+    sched.advance(item)
+    sched._preempt(first)
+    [item] = sched.schedule()                   # re-admitted: its own 2 blocks are found again
+    assert item.seq is first and item.start == 8 and first.num_cached_tokens == 0
 
 
 def test_abort_frees_blocks(llm):

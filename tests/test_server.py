@@ -104,6 +104,32 @@ def test_each_token_streams_in_its_own_event(server, reference):
     assert usage.completion_tokens == len(texts)
 
 
+def test_usage_counts_the_prompt_tokens_served_from_the_prefix_cache(server):
+    """usage.prompt_tokens_details.cached_tokens, OpenAI's field: none the first time a prompt is
+    seen; the second time its full KV blocks (16 tokens each, at least one token left to compute),
+    plain and streamed, chat and completions. The prompts are this test's own."""
+    c = client(server)
+    prompt = ("A list of the moons of Jupiter, each with the year it was found and the person who found "
+              "it, in the order of their distance from the planet, nearest first: Metis, Adrastea,")
+    cached = []
+    for _ in range(2):
+        out = c.completions.create(model=MODEL, prompt=prompt, **GREEDY)
+        cached.append(out.usage.prompt_tokens_details.cached_tokens)
+    full_blocks = (out.usage.prompt_tokens - 1) // 16 * 16
+    assert full_blocks >= 32 and cached == [0, full_blocks]
+    usage = None
+    for chunk in c.completions.create(model=MODEL, prompt=prompt, stream=True,
+                                      stream_options={"include_usage": True}, **GREEDY):
+        usage = chunk.usage or usage
+    assert usage.prompt_tokens_details.cached_tokens == full_blocks
+
+    messages = [{"role": "user", "content": prompt.replace("Jupiter", "Saturn")}]
+    first = c.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
+    again = c.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == (again.usage.prompt_tokens - 1) // 16 * 16
+
+
 def test_chat_matches_chat(server, reference):
     ref = reference.chat(CHAT, SamplingParams(**GREEDY))
     c = client(server)
