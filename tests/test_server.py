@@ -123,7 +123,10 @@ def test_usage_counts_the_prompt_tokens_served_from_the_prefix_cache(server):
         usage = chunk.usage or usage
     assert usage.prompt_tokens_details.cached_tokens == full_blocks
 
-    messages = [{"role": "user", "content": prompt.replace("Jupiter", "Saturn")}]
+    # A system message of its own: without one the template puts the model's default system prompt
+    # first, whose first block every other user-only chat shares.
+    messages = [{"role": "system", "content": prompt.replace("Jupiter", "Saturn")},
+                {"role": "user", "content": "Go on."}]
     first = c.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
     again = c.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
