@@ -286,8 +286,9 @@ class _Sparse24Base(WeightFormat):
             meta = None
             if cap is not None and cap[0] == 9 and self.dtype == torch.bfloat16 and not gluon_missing():
                 from engine.kernels.sparse24_gluon import meta_wpt, mma_order_meta
-                if t.shape[1] % (16 * meta_wpt(wpt, e4m3)) == 0:
-                    meta = mma_order_meta(t.meta, meta_wpt(wpt, e4m3))
+                order_wpt = meta_wpt(wpt, e4m3)
+                if t.shape[1] % (16 * order_wpt) == 0:
+                    meta = mma_order_meta(t.meta, order_wpt)
             self.register_buffer(f"meta_mma_{wpt}", meta)
 
     @property
