@@ -10,7 +10,9 @@ message from rank 0 and runs the forward it names. Collectives go through two gr
   graphs;
 - the host group (gloo): one broadcast per step carrying the step's packed inputs (the bytes rank 0
   uploads itself), so a worker does no scheduling, no per-layer round trip and never waits for its
-  device. A rank blocked in that broadcast while rank 0 is idle is kept alive by `keepalive`.
+  device. The message is pickled into a fixed-size buffer with its length (`MESSAGE_HEAD_BYTES`,
+  which a decode step's message fits); only a longer one (a large prefill) takes a second
+  broadcast. A rank blocked in that broadcast while rank 0 is idle is kept alive by `keepalive`.
 
 Failure. Every collective has the group's timeout. A rank that dies closes its sockets: the others'
 next host broadcast raises `ParallelError`; rank 0 then fails every caller (engine/llm.py) and the
@@ -23,11 +25,13 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import pickle
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -35,6 +39,7 @@ log = logging.getLogger("microengine")
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 DEFAULT_TIMEOUT_S = 120.0     # every collective's limit; $MICROENGINE_TP_TIMEOUT overrides it
+MESSAGE_HEAD_BYTES = 16 * 1024   # a step message's first broadcast: its length (8 bytes), then its start
 
 
 def timeout_s() -> float:
@@ -70,6 +75,7 @@ class TPGroup:
     device_group: object        # NCCL (cuda) or gloo (cpu)
     host_group: object          # gloo: step messages and small host-side agreements
     last_send: float = 0.0
+    head: torch.Tensor = field(default_factory=lambda: torch.zeros(MESSAGE_HEAD_BYTES, dtype=torch.uint8))
 
     # ------------------------------------------------------------ device collectives (the model)
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,25 +107,39 @@ class TPGroup:
 
     def send(self, message) -> None:
         """Rank 0: hand every other rank this step's message (a picklable tuple)."""
-        self._broadcast([message])
+        self._broadcast(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
         self.last_send = time.monotonic()
 
     def recv(self):
-        box = [None]
-        self._broadcast(box)
-        return box[0]
+        return pickle.loads(self._broadcast(None))
 
     def keepalive(self) -> None:
         """Rank 0, idle: a no-op message, so no worker's wait for the next step reaches the timeout."""
         if time.monotonic() - self.last_send > timeout_s() / 4:
             self.send(("noop",))
 
-    def _broadcast(self, box: list) -> None:
+    def _broadcast(self, data: bytes | None) -> bytes:
+        """Rank 0's `data` on every rank: the head buffer carries its length and first bytes, a
+        second broadcast the rest where it does not fit (one collective for a decode step, where
+        broadcast_object_list always takes two)."""
+        head = self.head.numpy()
+        room = len(head) - 8
         try:
-            dist.broadcast_object_list(box, src=0, group=self.host_group)
+            if data is not None:
+                head[:8] = np.frombuffer(len(data).to_bytes(8, "little"), np.uint8)
+                head[8:8 + min(len(data), room)] = np.frombuffer(data, np.uint8, min(len(data), room))
+            dist.broadcast(self.head, src=0, group=self.host_group)
+            n = int.from_bytes(head[:8].tobytes(), "little")
+            if n > room:
+                rest = (torch.from_numpy(np.frombuffer(data, np.uint8, offset=room).copy()) if data is not None
+                        else torch.empty(n - room, dtype=torch.uint8))
+                dist.broadcast(rest, src=0, group=self.host_group)
         except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError subclasses of its own
             raise ParallelError(f"tensor parallel rank {self.rank}: the step broadcast failed "
                                 f"({type(e).__name__}: {e}); a rank has died or timed out") from e
+        if data is not None:
+            return data
+        return head[8:8 + min(n, room)].tobytes() + (rest.numpy().tobytes() if n > room else b"")
 
 
 def free_port() -> int:

@@ -5,6 +5,7 @@ where there are fewer GPUs."""
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -282,6 +283,54 @@ def test_torchrun_starts_the_ranks(tmp_path):
     got = [int(t) for t in lines[0].split("[")[1].rstrip("]").split(",")]
     from tests.ties import parting
     parting(got, want[0].token_ids, [lp.top for lp in want[0].logprobs], 1e-4)
+
+
+def _message_rank(rank: int, port: int, messages: list, out) -> None:
+    """One of two gloo ranks: rank 0 sends `messages`, rank 1 puts what it receives on `out`."""
+    from engine.parallel import init_group, leave_group
+    tp = init_group(rank, 2, torch.device("cpu"), f"tcp://127.0.0.1:{port}")
+    try:
+        for m in messages:
+            if rank == 0:
+                tp.send(m)
+            else:
+                out.put(tp.recv())
+    finally:
+        leave_group(tp)
+
+
+def test_step_messages_of_every_size_reach_the_other_rank():
+    """The head buffer carries a message's length and start; one longer than it takes a second
+    broadcast. Random payloads whose pickles end just inside, exactly at and just past the head's
+    room, and several times it, arrive whole and in order."""
+    import multiprocessing
+    import pickle
+
+    from engine.parallel import MESSAGE_HEAD_BYTES
+    room = MESSAGE_HEAD_BYTES - 8
+    overhead = len(pickle.dumps(("step", bytes(1000)), protocol=pickle.HIGHEST_PROTOCOL)) - 1000
+    sizes = [0, 100, room - overhead - 1, room - overhead, room - overhead + 1, 3 * MESSAGE_HEAD_BYTES + 5]
+    messages = [("step", os.urandom(n)) for n in sizes] + [("noop",), ("step", {"fields": (1, 2)}, os.urandom(7))]
+    assert sorted(len(pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL)) for m in messages[2:5]) == \
+        [room - 1, room, room + 1]
+    ctx = multiprocessing.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_message_rank, args=(r, port, messages, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got, deadline = [], time.monotonic() + 120
+    while len(got) < len(messages) and time.monotonic() < deadline:
+        try:
+            got.append(out.get(timeout=1))
+        except queue.Empty:
+            if not procs[1].is_alive() and out.empty():
+                break           # the receiver died (a message it could not unpickle): fail now
+    for p in procs:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+    assert got == messages
+    assert [p.exitcode for p in procs] == [0, 0]
 
 
 def test_a_size_the_model_cannot_split_is_an_error_and_leaves_no_process():
