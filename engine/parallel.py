@@ -31,7 +31,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -122,16 +121,17 @@ class TPGroup:
         """Rank 0's `data` on every rank: the head buffer carries its length and first bytes, a
         second broadcast the rest where it does not fit (one collective for a decode step, where
         broadcast_object_list always takes two)."""
-        head = self.head.numpy()
-        room = len(head) - 8
+        room = self.head.numel() - 8
+        length = self.head[:8].view(torch.int64)
         try:
             if data is not None:
-                head[:8] = np.frombuffer(len(data).to_bytes(8, "little"), np.uint8)
-                head[8:8 + min(len(data), room)] = np.frombuffer(data, np.uint8, min(len(data), room))
+                length.fill_(len(data))
+                first = min(len(data), room)
+                self.head[8:8 + first].copy_(torch.frombuffer(bytearray(data[:first]), dtype=torch.uint8))
             dist.broadcast(self.head, src=0, group=self.host_group)
-            n = int.from_bytes(head[:8].tobytes(), "little")
+            n = int(length)
             if n > room:
-                rest = (torch.from_numpy(np.frombuffer(data, np.uint8, offset=room).copy()) if data is not None
+                rest = (torch.frombuffer(bytearray(data[room:]), dtype=torch.uint8) if data is not None
                         else torch.empty(n - room, dtype=torch.uint8))
                 dist.broadcast(rest, src=0, group=self.host_group)
         except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError subclasses of its own
@@ -139,7 +139,7 @@ class TPGroup:
                                 f"({type(e).__name__}: {e}); a rank has died or timed out") from e
         if data is not None:
             return data
-        return head[8:8 + min(n, room)].tobytes() + (rest.numpy().tobytes() if n > room else b"")
+        return self.head[8:8 + min(n, room)].numpy().tobytes() + (rest.numpy().tobytes() if n > room else b"")
 
 
 def free_port() -> int:
