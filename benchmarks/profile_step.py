@@ -6,6 +6,7 @@
     python benchmarks/profile_step.py --model llama-3.1-8b --kv-cache-dtype fp8 --graph 256 --context 100..2048
     python benchmarks/profile_step.py --model llama-3.1-8b --sparse-ffn magnitude --prefill 4x2048 --host
     python benchmarks/profile_step.py --model llama-3.1-8b --prefill 1x32768 --step-tokens 8192
+    python benchmarks/profile_step.py --model llama-3.1-8b --prefill 4x2048 --host --tensor-parallel-size 2
 
 Builds the engine (random weights for presets), runs the step once to warm up (compilation,
 autotuning), then profiles the same step again with torch.profiler and prints the CUDA kernels
@@ -15,6 +16,9 @@ that took the most time, with their share of the step.
 work is queued, not waited for, except where the host itself waits), and the functions with the
 most time of their own and the most time in all are printed, with the step's wall time and the
 time the host spent waiting for the device (`Engine.stats`).
+
+--tensor-parallel-size N: the prefill and decode modes with the model sharded over N GPUs; what is
+profiled is rank 0 (the process that schedules, samples and sends each step to the other ranks).
 
 --graph B1,B2,..: the decode step as it runs in serving, a captured CUDA graph (engine/cuda_graphs.py)
 at each batch size, every sequence at --context tokens (or at lengths drawn from a range), each on
@@ -62,16 +66,28 @@ def main(argv=None) -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) or fp8")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--host", action="store_true", help="profile the host side of the step (cProfile)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                    help="shard the model over N GPUs and profile rank 0 (not with --graph)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("profile_step.py profiles CUDA kernels: it needs a GPU")
     if args.graph:
+        if args.tensor_parallel_size != 1:
+            ap.error("--graph captures one process's decode graphs: it runs with --tensor-parallel-size 1")
         return profile_graphs(args, [int(b) for b in args.graph.split(",")])
     seqs, length = (int(v) for v in args.prefill.split("x"))
     engine = Engine(EngineConfig(model=args.model, weights=args.weights, sparse_ffn=args.sparse_ffn, lm_head=args.lm_head,
                                  kv_cache_dtype=args.kv_cache_dtype, kv_cache_tokens=max(65536, 2 * seqs * length),
                                  max_model_len=max(8192, length + 16),
-                                 max_num_batched_tokens=args.step_tokens or max(8192, seqs * length)))
+                                 max_num_batched_tokens=args.step_tokens or max(8192, seqs * length),
+                                 tensor_parallel_size=args.tensor_parallel_size))
+    try:
+        profile_steps(engine, args, seqs, length)
+    finally:
+        engine.close()      # with tensor parallelism: the other ranks leave and exit
+
+
+def profile_steps(engine: Engine, args, seqs: int, length: int) -> None:
     g = torch.Generator().manual_seed(0)
 
     def requests(tag, n, max_tokens):
@@ -96,13 +112,17 @@ def main(argv=None) -> None:
         run(engine, todo("prof"))
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.self_device_time_total for e in events) or 1
-    print(f"# {args.model} weights={args.weights} sparse_ffn={args.sparse_ffn}: {what}; "
+    print(f"# {args.model} weights={args.weights} sparse_ffn={args.sparse_ffn}{_tp(args)}: {what}; "
           f"GPU time {total / 1e3:.1f} ms, wall {wall / 1e3:.1f} ms unprofiled "
           f"(kernels busy {100 * total / wall:.0f}% of it)")
     print("| kernel | calls | ms | share |\n|---|---:|---:|---:|")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:args.top]:
         print(f"| {e.key[:90]} | {e.count} | {e.self_device_time_total / 1e3:.2f} "
               f"| {100 * e.self_device_time_total / total:.1f}% |")
+
+
+def _tp(args) -> str:
+    return f", rank 0 of {args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
 
 
 def profile_host(engine: Engine, requests, what: str, args) -> None:
@@ -116,7 +136,7 @@ def profile_host(engine: Engine, requests, what: str, args) -> None:
     profiler.disable()
     wall = time.perf_counter() - t0
     steps = engine.stats["steps"] - steps0
-    print(f"# {args.model} weights={args.weights} sparse_ffn={args.sparse_ffn}: {what}; {steps} steps, "
+    print(f"# {args.model} weights={args.weights} sparse_ffn={args.sparse_ffn}{_tp(args)}: {what}; {steps} steps, "
           f"{wall * 1e3:.1f} ms wall under cProfile, host time per step (Engine.stats) "
           f"{(engine.stats['host_s'] - host0) / max(steps, 1) * 1e3:.1f} ms")
     stats = pstats.Stats(profiler)
