@@ -19,6 +19,8 @@ time the host spent waiting for the device (`Engine.stats`).
 
 --tensor-parallel-size N: the prefill and decode modes with the model sharded over N GPUs; what is
 profiled is rank 0 (the process that schedules, samples and sends each step to the other ranks).
+With --host, cProfile does not see the time a CUDA-graph replay blocks until the device takes more
+work, which at two GPUs is most of rank 0's host time in prefill (BENCHMARKS.md, "Two GPUs").
 
 --graph B1,B2,..: the decode step as it runs in serving, a captured CUDA graph (engine/cuda_graphs.py)
 at each batch size, every sequence at --context tokens (or at lengths drawn from a range), each on
