@@ -48,6 +48,36 @@ class _Failure:
         self.exc = exc
 
 
+class _Mailbox:
+    """Chunks bound for the streams consumed on one event loop. The engine thread posts a step's
+    chunks one by one and wakes the loop only when the mailbox was empty: one call_soon_threadsafe
+    (a write to the loop's self-pipe, and a wake-up of its thread) per batch, not per token. At a few
+    hundred streams a step, per-token wake-ups cost the engine thread a system call each and wake the
+    loop's thread to contend with it for the interpreter lock through the step."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._items: list = []      # (asyncio.Queue, chunk) in the order posted
+
+    def post(self, queue: asyncio.Queue, item) -> None:    # on the engine thread
+        with self._lock:
+            wake = not self._items
+            self._items.append((queue, item))
+        if wake:
+            try:
+                self.loop.call_soon_threadsafe(self._deliver)
+            except RuntimeError:    # the loop is closed: no one is left to read these streams
+                with self._lock:
+                    self._items.clear()
+
+    def _deliver(self) -> None:                             # on the loop
+        with self._lock:
+            items, self._items = self._items, []
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
 class RequestStream:
     """The tokens of one request as they come: `for chunk in stream` or `async for chunk in stream`.
     If the engine fails the request, iterating raises the exception it failed with."""
@@ -57,7 +87,7 @@ class RequestStream:
         self._lock = threading.Lock()
         self._buffer: deque = deque()
         self._ready = threading.Condition(self._lock)
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._mailbox: _Mailbox | None = None    # set when an async consumer starts
         self._aqueue: asyncio.Queue | None = None
         self.finished = False       # the consumer has seen the last chunk
         self.done = False           # the engine is done with it: last chunk or failure delivered
@@ -67,8 +97,8 @@ class RequestStream:
             if self.done:
                 return
             self.done = isinstance(item, _Failure) or item.finish_reason is not None
-            if self._aqueue is not None:
-                self._loop.call_soon_threadsafe(self._aqueue.put_nowait, item)
+            if self._mailbox is not None:
+                self._mailbox.post(self._aqueue, item)
             else:
                 self._buffer.append(item)
                 self._ready.notify()
@@ -103,7 +133,7 @@ class RequestStream:
 
     async def _aiter(self):
         with self._lock:
-            self._loop = asyncio.get_running_loop()
+            self._mailbox = self.llm._mailbox(asyncio.get_running_loop())
             self._aqueue = asyncio.Queue()
             while self._buffer:
                 self._aqueue.put_nowait(self._buffer.popleft())
@@ -163,6 +193,7 @@ class LLM:
         self._lock = threading.Lock()
         self._inbox: deque[tuple] = deque()
         self._streams: dict[str, RequestStream] = {}     # requests the engine has not finished
+        self._mailboxes: dict[asyncio.AbstractEventLoop, _Mailbox] = {}
         self._closed: BaseException | None = None        # why the engine thread stopped
         self._wake = threading.Event()
         self._accepting = True
@@ -238,6 +269,16 @@ class LLM:
             fail(reason)
         for stream in streams:
             stream._fail(reason)
+
+    def _mailbox(self, loop: asyncio.AbstractEventLoop) -> _Mailbox:
+        """The mailbox of the streams consumed on `loop` (those of closed loops are dropped)."""
+        with self._lock:
+            box = self._mailboxes.get(loop)
+            if box is None:
+                for closed in [lp for lp in self._mailboxes if lp.is_closed()]:
+                    del self._mailboxes[closed]
+                box = self._mailboxes[loop] = _Mailbox(loop)
+        return box
 
     def _fail_request(self, request_id: str, exc: BaseException) -> None:
         with self._lock:

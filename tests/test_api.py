@@ -58,6 +58,50 @@ def test_streaming_sync_and_async_give_the_generated_text(llm):
     assert "".join(c.text for c in achunks) == ref.text
 
 
+def test_async_streams_on_one_loop_each_get_their_own_tokens_in_order(llm):
+    prompts = ["Water boils at", "The capital of France is", "One, two,", "def main():", "Once upon a time",
+               "The alphabet: A B C", "Hello", "2 + 2 ="]
+    params = [SamplingParams(max_tokens=6 + 2 * i, temperature=0, ignore_eos=True) for i in range(len(prompts))]
+    want = llm.generate(prompts, params)
+
+    async def consume_all():
+        async def one(prompt, p):
+            return [c async for c in llm.stream(prompt, p)]
+        return await asyncio.gather(*(one(pr, p) for pr, p in zip(prompts, params)))
+    for ref, chunks in zip(want, asyncio.run(consume_all())):
+        assert [t for c in chunks for t in c.token_ids] == ref.token_ids
+        assert [c.completion_tokens for c in chunks] == list(range(1, len(ref.token_ids) + 1))
+        assert "".join(c.text for c in chunks) == ref.text and chunks[-1].finish_reason == "length"
+
+
+def test_mailbox_wakes_its_loop_once_per_batch_and_keeps_the_order():
+    from engine.llm import _Mailbox
+    loop = asyncio.new_event_loop()
+    try:
+        wakes = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (wakes.append(a), real(*a))[1]
+        box = _Mailbox(loop)
+        queues = [asyncio.Queue(), asyncio.Queue()]
+        items = [(queues[i % 2], f"chunk {i}") for i in range(7)]
+        for q, item in items:          # posted from another thread, as the engine thread posts
+            poster = threading.Thread(target=box.post, args=(q, item))
+            poster.start()
+            poster.join()
+        assert len(wakes) == 1         # one wake-up for the batch, not one per chunk
+        loop.run_until_complete(asyncio.sleep(0))
+        got = [[q.get_nowait() for _ in range(q.qsize())] for q in queues]
+        assert got == [[f"chunk {i}" for i in range(0, 7, 2)], [f"chunk {i}" for i in range(1, 7, 2)]]
+        box.post(queues[0], "after")   # the mailbox was emptied: the next chunk wakes the loop again
+        assert len(wakes) == 2
+        loop.run_until_complete(asyncio.sleep(0))
+        assert queues[0].get_nowait() == "after"
+    finally:
+        loop.close()
+    box.post(queues[1], "to a closed loop")    # nobody can read it: dropped, and the engine thread goes on
+    assert queues[1].empty()
+
+
 def test_chat_uses_the_template(llm):
     out = llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(max_tokens=8, temperature=0))
     ids = llm.encode_chat([{"role": "user", "content": "Say hello."}])
